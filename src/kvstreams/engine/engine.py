@@ -1,0 +1,334 @@
+"""The rollout engine: batched sampling with in-place KV eviction, recording who saw what.
+
+One decode step for a batch (per layer, inside the model's own forward, through
+:mod:`kvstreams.attention`):
+
+1. write the new token's K/V into a free slot of each (sequence, KV head);
+2. attend over the live slots only (O(budget), never over the whole prefix);
+3. if the sequence's cache is now full, ask the policy which entries stay and free the others'
+   slots; their ``death`` is the next query's index, so the decision takes effect from then on.
+
+Prefill uses full causal attention over the prompt (as in the Shadow Mask paper); the prompt's K/V
+exist only transiently and just the kept entries are written to the budget-sized cache.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from kvstreams.attention import attention_context
+from kvstreams.engine.cache import SlotCache
+from kvstreams.engine.sampling import SamplingParams, sample
+from kvstreams.errors import KVStreamsError
+from kvstreams.models import model_shape
+from kvstreams.policies import EntryView, EvictionPolicy, make_policy
+from kvstreams.trace import FORMAT, Trace, compact_death
+
+_PREFILL_STAT_CHUNK = 256  # query rows per block when prefill attention statistics are needed
+
+
+def choose_kept(
+    policy: EvictionPolicy, view: EntryView, target: torch.Tensor, evicting: torch.Tensor
+) -> torch.Tensor:
+    """[B, H, N] bool: the ``target[b]`` best live entries of every evicting sequence, all live ones else."""
+    live = view.live
+    score = policy.score(view).float()
+    protected = policy.protected(view)
+    if protected is not None:
+        score = score.masked_fill(protected & live, float("inf"))
+    score = score.masked_fill(~live, float("-inf"))
+    order = score.argsort(dim=-1, descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+    keep = live & (rank < target[:, None, None])
+    return torch.where(evicting[:, None, None], keep, live)
+
+
+@dataclass
+class _Batch:
+    """Per-row state of the sequences still being decoded (rows leave when they finish)."""
+
+    seq: torch.Tensor  # [B] original sequence number
+    query_index: torch.Tensor  # [B] trace index of the token fed at this step
+    budget: torch.Tensor  # [B]
+    target: torch.Tensor  # [B] entries kept by an eviction round
+    n_live: torch.Tensor  # [B] live entries per (layer, head) before this step's write
+
+    def select(self, rows: torch.Tensor) -> None:
+        for name in ("seq", "query_index", "budget", "target", "n_live"):
+            setattr(self, name, getattr(self, name).index_select(0, rows))
+
+
+class PrefillStep:
+    """Attention context for the prompt: full causal attention, then the first eviction round."""
+
+    def __init__(self, engine: RolloutEngine, cache: SlotCache, col_index: torch.Tensor, batch: _Batch,
+                 evicting: torch.Tensor, window_from: torch.Tensor, generator: torch.Generator) -> None:
+        self.engine, self.cache, self.batch = engine, cache, batch
+        self.col_index = col_index  # [B, P] trace index of each column, -1 for left padding
+        self.evicting = evicting
+        self.window_from = window_from  # [B] prompt queries at or after this index are in the window
+        self.generator = generator
+
+    def attend(self, module, query, key, value, scale):
+        layer = module.layer_idx
+        B, H, P, D = query.shape
+        Hkv = key.shape[1]
+        valid = self.col_index >= 0
+        causal = torch.ones(P, P, dtype=torch.bool, device=query.device).tril()
+        mask = causal[None] & valid[:, None, :]
+        mask |= torch.eye(P, dtype=torch.bool, device=query.device)[None]  # padding rows see themselves
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask[:, None], scale=scale,
+                                             enable_gqa=H != Hkv)
+        policy = self.engine.policy
+        cumulative = window = None
+        if policy.needs:
+            cumulative, window = self._attention_stats(query, key, mask, scale)
+        index = self.col_index[:, None, :].expand(B, Hkv, P)
+        view = EntryView(layer=layer, keys=key, index=index, query_index=self.batch.query_index,
+                         budget=self.batch.budget, attn_cumulative=cumulative, attn_window=window,
+                         generator=self.generator)
+        keep = choose_kept(policy, view, self.batch.target, self.evicting) if bool(self.evicting.any()) else view.live
+        self.cache.record_death(layer, view.live & ~keep, index, self.batch.query_index + 1)
+        if window is not None:
+            window = window.masked_fill(self.evicting[:, None, None], 0.0)  # a new window starts
+        self.cache.store_prefill(layer, key, value, index, keep, cumulative, window)
+        return out.transpose(1, 2)
+
+    def _attention_stats(self, query, key, mask, scale):
+        """Attention each prompt entry receives: from all queries, and from the observation window."""
+        B, H, P, D = query.shape
+        Hkv = key.shape[1]
+        q = query.float().view(B, Hkv, H // Hkv, P, D)
+        k = key.float()[:, :, None]
+        valid_q = self.col_index >= 0
+        in_window = valid_q & (self.col_index >= self.window_from[:, None])
+        cumulative = torch.zeros(B, Hkv, P, device=query.device)
+        window = torch.zeros(B, Hkv, P, device=query.device)
+        for start in range(0, P, _PREFILL_STAT_CHUNK):
+            rows = slice(start, min(P, start + _PREFILL_STAT_CHUNK))
+            scores = (q[:, :, :, rows] @ k.transpose(-1, -2)) * scale  # [B, Hkv, g, r, P]
+            scores = scores.masked_fill(~mask[:, None, None, rows], float("-inf"))
+            probs = scores.softmax(dim=-1).sum(dim=2)  # [B, Hkv, r, P], summed over the KV group
+            cumulative += (probs * valid_q[:, None, rows, None]).sum(dim=2)
+            window += (probs * in_window[:, None, rows, None]).sum(dim=2)
+        return cumulative, window
+
+
+class DecodeStep:
+    """Attention context for one decode step: write, attend over live slots, maybe evict."""
+
+    def __init__(self, engine: RolloutEngine, cache: SlotCache, batch: _Batch, evicting: torch.Tensor,
+                 in_window: torch.Tensor, generator: torch.Generator) -> None:
+        self.engine, self.cache, self.batch = engine, cache, batch
+        self.evicting = evicting
+        self.any_evicting = bool(evicting.any())
+        self.in_window = in_window
+        self.generator = generator
+
+    def attend(self, module, query, key, value, scale):
+        layer = module.layer_idx
+        cache, batch = self.cache, self.batch
+        cache.append(layer, key, value, batch.query_index)
+        keys, values, index = cache.keys[layer], cache.values[layer], cache.index[layer]
+        live = index >= 0
+        B, H, _, D = query.shape
+        Hkv = keys.shape[1]
+        q = query.float().view(B, Hkv, H // Hkv, D)
+        scores = (q @ keys.float().transpose(-1, -2)) * scale  # [B, Hkv, g, S]
+        scores = scores.masked_fill(~live[:, :, None, :], float("-inf"))
+        probs = scores.softmax(dim=-1)
+        out = (probs @ values.float()).to(query.dtype).reshape(B, 1, H, D)
+        received = None
+        if cache.cumulative is not None:
+            received = probs.sum(dim=2)
+            cache.cumulative[layer] += received
+        if cache.window is not None:
+            received = probs.sum(dim=2) if received is None else received
+            cache.window[layer] += received * self.in_window[:, None, None]
+        if self.any_evicting:
+            policy = self.engine.policy
+            view = EntryView(layer=layer, keys=keys, index=index, query_index=batch.query_index,
+                             budget=batch.budget,
+                             attn_cumulative=None if cache.cumulative is None else cache.cumulative[layer],
+                             attn_window=None if cache.window is None else cache.window[layer],
+                             generator=self.generator)
+            keep = choose_kept(policy, view, batch.target, self.evicting)
+            cache.evict_slots(layer, live & ~keep, batch.query_index + 1)
+            if cache.window is not None:
+                cache.window[layer].masked_fill_(self.evicting[:, None, None], 0.0)
+        return out
+
+
+@dataclass
+class RolloutStats:
+    """What one ``generate`` call did."""
+
+    sequences: int = 0
+    tokens_generated: int = 0
+    tokens_prefilled: int = 0
+    eviction_events: list[int] = field(default_factory=list)  # per sequence
+    budgets: list[int] = field(default_factory=list)
+    kv_capacity: int = 0  # slots per (sequence, layer, KV head)
+    kv_bytes_allocated: int = 0
+
+
+class RolloutEngine:
+    """Samples batches of sequences from an HF causal LM with a budget-bounded, in-place KV cache.
+
+    >>> engine = RolloutEngine(model, tokenizer, make_policy("snapkv", budget=0.5))
+    >>> traces = engine.generate(prompts, SamplingParams(max_new_tokens=256, seed=0))
+    """
+
+    def __init__(self, model, tokenizer=None, policy: EvictionPolicy | None = None, model_name: str = "") -> None:
+        if getattr(model.config, "_attn_implementation", None) != "kvstreams":
+            raise KVStreamsError("the model must be loaded with kvstreams.models.load_model (kvstreams attention)")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.policy = policy or make_policy("full")
+        self.model_name = model_name or str(getattr(model.config, "_name_or_path", ""))
+        self.shape = model_shape(model)
+        self.policy_version = 0
+        self.last_stats = RolloutStats()
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def _stop_ids(self, params: SamplingParams) -> set[int]:
+        if params.stop_token_ids is not None:
+            return set(params.stop_token_ids)
+        eos = getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer is not None else None
+        return {eos} if eos is not None else set()
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, progress=None) -> list[Trace]:
+        """Sample one continuation per prompt; returns one :class:`Trace` per prompt, in order."""
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise KVStreamsError("every prompt needs at least one token")
+        device, policy = self.device, self.policy
+        n = len(prompts)
+        G = params.max_new_tokens
+        prompt_lens = [len(p) for p in prompts]
+        contexts = [p + G for p in prompt_lens]
+        budgets = [policy.resolve_budget(c) for c in contexts]
+        if policy.evicts():
+            for b in set(budgets):
+                policy.check_budget(b)
+        capacity = max(min(b, c) for b, c in zip(budgets, contexts, strict=True))
+        cache = SlotCache(self.shape, n, capacity, max(contexts), self.model.dtype, device, policy.needs)
+        generator = torch.Generator(device=device).manual_seed(params.seed)
+        stop_ids = self._stop_ids(params)
+        T = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+
+        budget = T(budgets)
+        batch = _Batch(seq=torch.arange(n, device=device), query_index=T(prompt_lens) - 1, budget=budget,
+                       target=budget - policy.interval, n_live=T(prompt_lens))
+        evicting = (batch.n_live >= budget) if policy.evicts() else torch.zeros_like(budget, dtype=torch.bool)
+        window_from = torch.where(evicting, batch.n_live, budget) - policy.window_size
+
+        # --- prefill (left-padded) ----------------------------------------------------------------
+        P = max(prompt_lens)
+        pad_id = getattr(self.tokenizer, "pad_token_id", None) or 0
+        ids = torch.full((n, P), pad_id, dtype=torch.long, device=device)
+        col_index = torch.full((n, P), -1, dtype=torch.long, device=device)
+        for b, prompt in enumerate(prompts):
+            ids[b, P - len(prompt):] = T(list(prompt))
+            col_index[b, P - len(prompt):] = torch.arange(len(prompt), device=device)
+        step = PrefillStep(self, cache, col_index, batch, evicting, window_from, generator)
+        with attention_context(step):
+            logits = self.model(input_ids=ids, position_ids=col_index.clamp(min=0), logits_to_keep=1).logits[:, -1]
+        batch.n_live = torch.where(evicting, batch.target, batch.n_live)
+        events = evicting.long().clone()
+
+        tokens = [list(p) for p in prompts]
+        logprobs: list[list[float]] = [[] for _ in prompts]
+        deaths: list[torch.Tensor | None] = [None] * n
+        finished_events = [0] * n
+
+        for step_no in range(G):
+            new_tokens, new_lp = sample(logits, params, generator)
+            done = []
+            for row, (seq, tok, lp) in enumerate(zip(batch.seq.tolist(), new_tokens.tolist(), new_lp.tolist(),
+                                                     strict=True)):
+                tokens[seq].append(tok)
+                logprobs[seq].append(lp)
+                if tok in stop_ids or step_no == G - 1:
+                    done.append(row)
+            if progress is not None:
+                progress(1)
+            if done:
+                done_rows = T(done)
+                for row in done:
+                    seq = int(batch.seq[row])
+                    deaths[seq] = cache.death[row].clone()
+                    finished_events[seq] = int(events[row])
+                keep_rows = T([r for r in range(len(batch.seq)) if r not in set(done)])
+                if keep_rows.numel() == 0:
+                    break
+                cache.select_rows(keep_rows)
+                batch.select(keep_rows)
+                new_tokens = new_tokens.index_select(0, keep_rows)
+                events = events.index_select(0, keep_rows)
+                del done_rows
+            # --- decode the token just sampled ----------------------------------------------------
+            batch.query_index = batch.query_index + 1
+            after_write = batch.n_live + 1
+            evicting = (after_write >= batch.budget) if policy.evicts() else torch.zeros_like(after_write, dtype=torch.bool)
+            in_window = (batch.budget - after_write) < policy.window_size
+            step = DecodeStep(self, cache, batch, evicting, in_window, generator)
+            with attention_context(step):
+                logits = self.model(input_ids=new_tokens[:, None], position_ids=batch.query_index[:, None]).logits[:, -1]
+            batch.n_live = torch.where(evicting, batch.target, after_write)
+            events += evicting.long()
+
+        traces = [self._trace(tokens[i], prompt_lens[i], logprobs[i], deaths[i], params, budgets[i])
+                  for i in range(n)]
+        self.last_stats = RolloutStats(
+            sequences=n,
+            tokens_generated=sum(len(t) - p for t, p in zip(tokens, prompt_lens, strict=True)),
+            tokens_prefilled=sum(prompt_lens),
+            eviction_events=finished_events,
+            budgets=budgets,
+            kv_capacity=capacity,
+            kv_bytes_allocated=cache.kv_bytes,
+        )
+        return traces
+
+    def _trace(self, tokens: list[int], prompt_len: int, logprobs: list[float], death: torch.Tensor | None,
+               params: SamplingParams, budget: int) -> Trace:
+        length = len(tokens)
+        assert death is not None
+        death = death[:, :, :length].clamp(max=length).cpu()
+        sampled = torch.zeros(length, dtype=torch.bool)
+        sampled[prompt_len:] = True
+        lp = torch.full((length,), math.nan, dtype=torch.float32)
+        lp[prompt_len:] = torch.tensor(logprobs, dtype=torch.float32)
+        policy = self.policy
+        return Trace(
+            tokens=torch.tensor(tokens, dtype=torch.long),
+            positions=torch.arange(length, dtype=torch.long),
+            death=compact_death(death),
+            sampled_mask=sampled,
+            loss_mask=sampled.clone(),
+            sampler_logprobs=lp,
+            policy_version=torch.full((length,), self.policy_version, dtype=torch.int32),
+            metadata={
+                "format": FORMAT,
+                "temperature": str(params.temperature),
+                "top_p": str(params.top_p),
+                "top_k": str(params.top_k),
+                "policy": policy.name,
+                "policy_config": json.dumps(policy.describe()),
+                "budget": str(budget if policy.evicts() else length),
+                "mode": "stream",
+                "model": self.model_name,
+                "prompt_len": str(prompt_len),
+                "seed": str(params.seed),
+            },
+        )

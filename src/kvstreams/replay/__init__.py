@@ -1,0 +1,26 @@
+"""Learner replay: log-probs of traces under their recorded visibility (shadow) or causal (dense)."""
+
+from kvstreams.replay.masks import block_mask_from_death, dense_visibility
+from kvstreams.replay.replay import (
+    BACKENDS,
+    MODES,
+    ReplayBatch,
+    ReplayMask,
+    collate,
+    replay_logits,
+    replay_logprobs,
+    token_logprobs,
+)
+
+__all__ = [
+    "BACKENDS",
+    "MODES",
+    "ReplayBatch",
+    "ReplayMask",
+    "block_mask_from_death",
+    "collate",
+    "dense_visibility",
+    "replay_logits",
+    "replay_logprobs",
+    "token_logprobs",
+]

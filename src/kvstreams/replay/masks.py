@@ -1,0 +1,62 @@
+"""From a trace's ``death`` record to attention masks: a dense SDPA mask and a flex BlockMask.
+
+Visibility is ``visible(q, j) <=> j <= q < death[j]`` per layer and KV head. Because a key's visible
+queries form one interval starting at the key itself, the block structure of the mask follows from
+per-block minima and maxima of ``death`` alone: the flex BlockMask is built in O((T / block)^2)
+memory without ever materialising the T x T mask.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def dense_visibility(death: torch.Tensor) -> torch.Tensor:
+    """death [..., T] -> bool [..., T(query), T(key)]. The reference (quadratic) mask."""
+    T = death.shape[-1]
+    q = torch.arange(T, device=death.device)[:, None]
+    j = torch.arange(T, device=death.device)[None, :]
+    return (j <= q) & (q < death[..., None, :])
+
+
+def block_mask_from_death(death: torch.Tensor, n_heads: int, block_size: int = 128):
+    """A flex_attention BlockMask for death [B, H' (1 or H_kv), T] and ``n_heads`` query heads."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    B, Hd, T = death.shape
+    group = n_heads // Hd
+    nb = -(-T // block_size)
+    Tp = nb * block_size
+    device = death.device
+    death = death.long()
+    if Tp > T:  # padding keys are visible to their own (padding) query only
+        pad = torch.arange(T, Tp, device=device) + 1
+        death = torch.cat([death, pad.expand(B, Hd, Tp - T)], dim=-1)
+    blocks = death.view(B, Hd, nb, block_size)
+    min_death = blocks.min(dim=-1).values  # [B, Hd, nb(key block)]
+    max_death = blocks.max(dim=-1).values
+    qb = torch.arange(nb, device=device)[:, None]  # query block
+    kb = torch.arange(nb, device=device)[None, :]  # key block
+    q_start = (qb * block_size)[None, None]
+    q_end = ((qb + 1) * block_size)[None, None]
+    any_visible = (qb == kb)[None, None] | ((qb > kb)[None, None] & (q_start < max_death[:, :, None, :]))
+    full = (qb > kb)[None, None] & (q_end <= min_death[:, :, None, :])
+    partial = any_visible & ~full  # [B, Hd, nq, nk]
+
+    def as_indices(blocks_mask: torch.Tensor):
+        counts = blocks_mask.sum(dim=-1).to(torch.int32)
+        indices = (~blocks_mask).to(torch.int8).argsort(dim=-1, stable=True).to(torch.int32)
+        return counts, indices
+
+    kv_num, kv_idx = as_indices(partial)
+    full_num, full_idx = as_indices(full)
+    if group > 1 and Hd > 1:
+        kv_num, kv_idx, full_num, full_idx = (t.repeat_interleave(group, dim=1) for t in (kv_num, kv_idx, full_num, full_idx))
+    heads_per_death = group if Hd > 1 else n_heads
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx < death[b, h // heads_per_death, kv_idx])
+
+    return BlockMask.from_kv_blocks(
+        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size, mask_mod=mask_mod, seq_lengths=(T, T)
+    )

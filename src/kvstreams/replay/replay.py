@@ -1,0 +1,156 @@
+"""Learner-side replay: log-probs of traces under the visibility their sampler actually had.
+
+The same Hugging Face model runs one forward over each whole trace (with the trace's own RoPE
+positions); every attention layer masks with that layer's ``death`` record, per KV head. Modes:
+
+- ``shadow``: the recorded visibility (log-probs equal the sampler's up to float error);
+- ``dense``: ordinary causal attention over the whole trace, ignoring the record (the naive learner).
+
+Backends: ``sdpa`` (a dense boolean mask, the reference) and ``flex`` (flex_attention with a
+BlockMask built from ``death``; compiled, memory linear in T apart from the (T/128)^2 block table).
+Traces can be batched padded (one per row) or packed (concatenated in one row): since a never-evicted
+entry dies at the end of its own trace, packing needs nothing beyond offsetting ``death``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from kvstreams.attention import attention_context
+from kvstreams.errors import KVStreamsError
+from kvstreams.models import model_shape
+from kvstreams.replay.masks import block_mask_from_death, dense_visibility
+from kvstreams.trace import Trace
+
+Mode = Literal["shadow", "dense"]
+Backend = Literal["sdpa", "flex"]
+MODES = ("shadow", "dense")
+BACKENDS = ("sdpa", "flex")
+
+
+@dataclass
+class ReplayBatch:
+    """Traces laid out for one forward. ``spans[i] = (row, start, length)`` locates trace i."""
+
+    tokens: torch.Tensor  # [B, T]
+    positions: torch.Tensor  # [B, T]
+    death: torch.Tensor  # [B, L or 1, H_kv or 1, T], indices within the row
+    spans: list[tuple[int, int, int]]
+    temperatures: list[float]
+
+    def to(self, device) -> ReplayBatch:
+        return ReplayBatch(self.tokens.to(device), self.positions.to(device), self.death.to(device), self.spans,
+                           self.temperatures)
+
+
+def collate(traces: Sequence[Trace], n_layers: int, n_kv_heads: int, mode: Mode = "shadow",
+            packed: bool = False) -> ReplayBatch:
+    """Lay traces out padded (one per row) or packed (all in one row), with ``mode``'s visibility."""
+    if mode not in MODES:
+        raise KVStreamsError(f"unknown replay mode {mode!r}; choose {' or '.join(MODES)}")
+    if not traces:
+        raise KVStreamsError("nothing to replay: no traces")
+    L = 1 if mode == "dense" or all(t.death.shape[0] == 1 for t in traces) else n_layers
+    H = 1 if mode == "dense" or all(t.death.shape[1] == 1 for t in traces) else n_kv_heads
+    lengths = [len(t) for t in traces]
+    if packed:
+        rows, width = 1, sum(lengths)
+        starts = [sum(lengths[:i]) for i in range(len(traces))]
+        spans = [(0, s, n) for s, n in zip(starts, lengths, strict=True)]
+    else:
+        rows, width = len(traces), max(lengths)
+        spans = [(i, 0, n) for i, n in enumerate(lengths)]
+    tokens = torch.zeros(rows, width, dtype=torch.long)
+    positions = torch.zeros(rows, width, dtype=torch.long)
+    # Filler entries are visible to themselves only, so they never leak into real queries.
+    death = (torch.arange(width, dtype=torch.int32) + 1).expand(rows, L, H, width).clone()
+    for trace, (row, start, n) in zip(traces, spans, strict=True):
+        tokens[row, start:start + n] = trace.tokens
+        positions[row, start:start + n] = trace.positions
+        if mode == "dense":
+            death[row, :, :, start:start + n] = start + n
+        else:
+            d = trace.death_for(n_layers, n_kv_heads)[:L, :H] if (L, H) != (1, 1) else trace.death[:1, :1]
+            death[row, :, :, start:start + n] = d.expand(L, H, n) + start
+    return ReplayBatch(tokens, positions, death, spans, [t.temperature for t in traces])
+
+
+_compiled_flex = None
+
+
+def _flex_attention():
+    global _compiled_flex
+    if _compiled_flex is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex
+
+
+class ReplayMask:
+    """Attention context that masks every layer with its recorded visibility."""
+
+    def __init__(self, death: torch.Tensor, backend: Backend, n_heads: int) -> None:
+        if backend not in BACKENDS:
+            raise KVStreamsError(f"unknown replay backend {backend!r}; choose {' or '.join(BACKENDS)}")
+        self.death = death
+        self.backend = backend
+        self.n_heads = n_heads
+        self._masks: dict[int, object] = {}
+
+    def mask_for(self, layer: int):
+        key = layer if self.death.shape[1] > 1 else 0
+        if key not in self._masks:
+            death = self.death[:, key]  # [B, H', T]
+            if self.backend == "sdpa":
+                mask = dense_visibility(death)  # [B, H', T, T]
+                if mask.shape[1] > 1:
+                    mask = mask.repeat_interleave(self.n_heads // mask.shape[1], dim=1)
+                self._masks[key] = mask
+            else:
+                self._masks[key] = block_mask_from_death(death, self.n_heads)
+        return self._masks[key]
+
+    def attend(self, module, query, key, value, scale):
+        mask = self.mask_for(module.layer_idx)
+        gqa = query.shape[1] != key.shape[1]
+        if self.backend == "sdpa":
+            out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        else:
+            out = _flex_attention()(query, key, value, block_mask=mask, scale=scale, enable_gqa=gqa)
+        return out.transpose(1, 2)
+
+
+def replay_logits(model, batch: ReplayBatch, backend: Backend = "sdpa") -> torch.Tensor:
+    """Logits [B, T, V] of the model over the batch under the batch's visibility (with grad if enabled)."""
+    device = next(model.parameters()).device
+    batch = batch.to(device)
+    ctx = ReplayMask(batch.death, backend, model_shape(model).n_heads)
+    with attention_context(ctx):
+        return model(input_ids=batch.tokens, position_ids=batch.positions).logits
+
+
+def token_logprobs(logits: torch.Tensor, batch: ReplayBatch) -> list[torch.Tensor]:
+    """Per trace, [T] log-prob of each token given what precedes it (NaN at index 0), float32."""
+    out = []
+    for (row, start, n), temperature in zip(batch.spans, batch.temperatures, strict=True):
+        logp = torch.log_softmax(logits[row, start:start + n - 1].float() / temperature, dim=-1)
+        targets = batch.tokens[row, start + 1:start + n].to(logits.device)
+        lp = logp.gather(-1, targets[:, None]).squeeze(-1)
+        out.append(torch.cat([torch.full((1,), float("nan"), device=lp.device), lp]))
+    return out
+
+
+@torch.no_grad()
+def replay_logprobs(model, traces: Sequence[Trace], mode: Mode = "shadow", backend: Backend = "sdpa",
+                    packed: bool = False) -> list[torch.Tensor]:
+    """Log-probs [T] per trace (CPU, float32, NaN at index 0) as the learner sees them."""
+    shape = model_shape(model)
+    batch = collate(traces, shape.n_layers, shape.n_kv_heads, mode=mode, packed=packed)
+    logits = replay_logits(model, batch, backend)
+    return [lp.cpu() for lp in token_logprobs(logits, batch)]

@@ -1,0 +1,186 @@
+"""The trace: one sampled sequence, everything the learner needs to replay exactly what the sampler saw.
+
+Saved as ONE ``.safetensors`` file; the tensor names and metadata keys below are a public contract
+(see docs/trace-format.md):
+
+- ``tokens`` int64 [T], ``positions`` int64 [T] (the RoPE position each KV entry was written with)
+- ``death`` int32 [L or 1, H_kv or 1, T]: trace index of the first query that can no longer see entry
+  j (T if never evicted). ``visible(q, j) <=> j <= q < death[l, h, j]``.
+- ``sampled_mask`` bool [T], ``loss_mask`` bool [T], ``sampler_logprobs`` float32 [T] (NaN where not
+  sampled), optional ``policy_version`` int32 [T]
+- metadata: ``format`` = ``kvstreams-trace/1``, ``temperature``, ``policy``, ``mode``, ``model``, ...
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvstreams.errors import TraceFormatError
+
+FORMAT = "kvstreams-trace/1"
+REQUIRED_METADATA = ("format", "temperature", "policy", "mode", "model")
+_DTYPES = {
+    "tokens": torch.int64,
+    "positions": torch.int64,
+    "death": torch.int32,
+    "sampled_mask": torch.bool,
+    "loss_mask": torch.bool,
+    "sampler_logprobs": torch.float32,
+    "policy_version": torch.int32,
+}
+_OPTIONAL = ("policy_version",)
+
+
+@dataclass
+class Trace:
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    death: torch.Tensor
+    sampled_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    sampler_logprobs: torch.Tensor
+    metadata: dict[str, str] = field(default_factory=dict)
+    policy_version: torch.Tensor | None = None
+
+    # --- accessors --------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def temperature(self) -> float:
+        """Temperature the sampler's log-probs refer to (greedy traces record temperature 1)."""
+        t = float(self.metadata["temperature"])
+        return t if t > 0 else 1.0
+
+    def death_for(self, n_layers: int, n_kv_heads: int) -> torch.Tensor:
+        """``death`` broadcast to [n_layers, n_kv_heads, T]."""
+        L, H, T = self.death.shape
+        if L not in (1, n_layers) or H not in (1, n_kv_heads):
+            raise TraceFormatError(
+                f"trace death has shape {tuple(self.death.shape)}, which does not fit a model with "
+                f"{n_layers} layers and {n_kv_heads} KV heads"
+            )
+        return self.death.expand(n_layers, n_kv_heads, T)
+
+    def visible(self, layer: int = 0, head: int = 0) -> torch.Tensor:
+        """Dense [T, T] bool visibility of one layer and KV head (for inspection and tests)."""
+        d = self.death[min(layer, self.death.shape[0] - 1), min(head, self.death.shape[1] - 1)]
+        T = len(self)
+        q = torch.arange(T)[:, None]
+        j = torch.arange(T)[None, :]
+        return (j <= q) & (q < d[None, :].long())
+
+    @property
+    def n_evicted(self) -> int:
+        """Entries evicted before the end of the trace (counted over all layers and heads)."""
+        return int((self.death < len(self)).sum())
+
+    # --- checks ------------------------------------------------------------------------------------
+    def validate(self) -> None:
+        tensors = {name: getattr(self, name) for name in _DTYPES}
+        for name, tensor in tensors.items():
+            if tensor is None:
+                if name in _OPTIONAL:
+                    continue
+                raise TraceFormatError(f"trace is missing tensor {name!r}")
+            if not isinstance(tensor, torch.Tensor):
+                raise TraceFormatError(f"trace field {name!r} is not a tensor")
+            if tensor.dtype != _DTYPES[name]:
+                raise TraceFormatError(f"trace tensor {name!r} has dtype {tensor.dtype}, expected {_DTYPES[name]}")
+        if self.tokens.dim() != 1 or len(self) < 1:
+            raise TraceFormatError(f"trace tokens must be a non-empty 1-D tensor, got shape {tuple(self.tokens.shape)}")
+        T = len(self)
+        for name in ("positions", "sampled_mask", "loss_mask", "sampler_logprobs", "policy_version"):
+            tensor = tensors[name]
+            if tensor is not None and tuple(tensor.shape) != (T,):
+                raise TraceFormatError(f"trace tensor {name!r} has shape {tuple(tensor.shape)}, expected ({T},)")
+        if self.death.dim() != 3 or self.death.shape[-1] != T:
+            raise TraceFormatError(f"trace death has shape {tuple(self.death.shape)}, expected (L or 1, H_kv or 1, {T})")
+        j = torch.arange(T, dtype=torch.int32)
+        if bool((self.death <= j).any()):
+            bad = int((self.death <= j).nonzero()[0, -1])
+            raise TraceFormatError(f"trace death[..., {bad}] <= {bad}: an entry must be visible at least to its own query")
+        if bool((self.death > T).any()):
+            raise TraceFormatError(f"trace death values exceed the trace length {T}")
+        if bool((self.positions < 0).any()):
+            raise TraceFormatError("trace positions must be >= 0")
+        if bool(self.sampled_mask[0]):
+            raise TraceFormatError("trace token 0 cannot be sampled (no query precedes it)")
+        lp = self.sampler_logprobs
+        if bool(torch.isnan(lp[self.sampled_mask]).any()) or bool((lp[self.sampled_mask] > 1e-4).any()):
+            raise TraceFormatError("trace sampler_logprobs must be finite log-probabilities (<= 0) at sampled tokens")
+        if not bool(torch.isnan(lp[~self.sampled_mask]).all()):
+            raise TraceFormatError("trace sampler_logprobs must be NaN where sampled_mask is False")
+        missing = [k for k in REQUIRED_METADATA if k not in self.metadata]
+        if missing:
+            raise TraceFormatError(f"trace metadata is missing {', '.join(missing)}")
+        if self.metadata["format"] != FORMAT:
+            raise TraceFormatError(f"trace format is {self.metadata['format']!r}, expected {FORMAT!r}")
+        try:
+            if float(self.metadata["temperature"]) < 0:
+                raise ValueError
+        except ValueError:
+            raise TraceFormatError(f"trace temperature {self.metadata['temperature']!r} is not a number >= 0") from None
+
+    # --- storage ---------------------------------------------------------------------------------
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {name: getattr(self, name) for name in _DTYPES if getattr(self, name) is not None}
+        return {k: v.detach().cpu().contiguous() for k, v in out.items()}
+
+    def save(self, path: str | Path) -> Path:
+        """Validate, then write atomically (temp file + rename): a reader never sees half a trace."""
+        from safetensors.torch import save_file
+
+        self.validate()
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.close(fd)
+        try:
+            save_file(self.tensors(), tmp, metadata={k: str(v) for k, v in self.metadata.items()})
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Trace:
+        """Read and validate a trace file; any inconsistency is a :class:`TraceFormatError`."""
+        from safetensors import safe_open
+
+        path = Path(path)
+        if not path.is_file():
+            raise TraceFormatError(f"trace file {str(path)!r} does not exist")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                metadata = dict(f.metadata() or {})
+                tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118  (safe_open has no __iter__)
+        except Exception as err:  # safetensors raises its own error types for corrupt headers
+            raise TraceFormatError(f"{path}: not a readable safetensors file ({type(err).__name__}: {err})") from None
+        unknown = sorted(set(tensors) - set(_DTYPES))
+        if unknown:
+            raise TraceFormatError(f"{path}: unexpected tensor(s) {', '.join(unknown)}")
+        for name in _DTYPES:
+            if name not in tensors and name not in _OPTIONAL:
+                raise TraceFormatError(f"{path}: trace is missing tensor {name!r}")
+        trace = cls(metadata=metadata, **{k: tensors.get(k) for k in _DTYPES})
+        try:
+            trace.validate()
+        except TraceFormatError as err:
+            raise TraceFormatError(f"{path}: {err}") from None
+        return trace
+
+
+def compact_death(death: torch.Tensor) -> torch.Tensor:
+    """Store [L, H, T] as [1, H, T], [L, 1, T] or [1, 1, T] when it is the same along a dimension."""
+    if bool((death == death[:1]).all()):
+        death = death[:1]
+    if bool((death == death[:, :1]).all()):
+        death = death[:, :1]
+    return death.contiguous()
