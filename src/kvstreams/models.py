@@ -104,6 +104,8 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu
         )
     if architectures and not any(a.endswith("ForCausalLM") for a in architectures):
         raise KVStreamsError(f"{path} holds {architectures[0]}, not a causal LM (…ForCausalLM)")
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise KVStreamsError(f"device {device!r} requested but no CUDA device is available")
     install()
     try:
         model = AutoModelForCausalLM.from_pretrained(

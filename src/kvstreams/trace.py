@@ -13,13 +13,12 @@ Saved as ONE ``.safetensors`` file; the tensor names and metadata keys below are
 
 from __future__ import annotations
 
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from kvstreams.atomic import atomic_write
 from kvstreams.errors import TraceFormatError
 
 FORMAT = "kvstreams-trace/1"
@@ -137,17 +136,8 @@ class Trace:
         from safetensors.torch import save_file
 
         self.validate()
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        os.close(fd)
-        try:
-            save_file(self.tensors(), tmp, metadata={k: str(v) for k, v in self.metadata.items()})
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return path
+        tensors, metadata = self.tensors(), {k: str(v) for k, v in self.metadata.items()}
+        return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
     @classmethod
     def load(cls, path: str | Path) -> Trace:
