@@ -22,7 +22,12 @@ class AttentionContext(Protocol):
     """What the engine's decode/prefill steps and the replay masks implement."""
 
     def attend(
-        self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: float,
     ) -> torch.Tensor:
         """query [B, H, Q, D], key/value [B, H_kv, Q, D] (RoPE applied) -> output [B, Q, H, D]."""
         ...

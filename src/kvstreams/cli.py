@@ -70,21 +70,40 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, episodes: int, prompt_len: int, new_tokens: int) -> None:
-    p.add_argument("--budget", default=None, help="KV entries per layer and head: a fraction of the context "
-                   "(0.5 or 50%%) or a count (256); default: the policy's (50%% of the context)")
-    p.add_argument("--interval", type=_positive(int), default=None, help="entries freed per eviction round "
-                   "(= decode steps between rounds); default: the policy's")
-    p.add_argument("--policy-arg", action="append", default=[], metavar="KEY=VALUE",
-                   help="policy-specific option, e.g. window=16 (repeatable)")
+    p.add_argument(
+        "--budget",
+        default=None,
+        help="KV entries per layer and head: a fraction of the context "
+        "(0.5 or 50%%) or a count (256); default: the policy's (50%% of the context)",
+    )
+    p.add_argument(
+        "--interval",
+        type=_positive(int),
+        default=None,
+        help="entries freed per eviction round (= decode steps between rounds); default: the policy's",
+    )
+    p.add_argument(
+        "--policy-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="policy-specific option, e.g. window=16 (repeatable)",
+    )
     p.add_argument("--episodes", type=_positive(int), default=episodes, help="sequences to sample")
     p.add_argument("--prompt-len", type=_positive(int), default=prompt_len)
     p.add_argument("--max-new-tokens", type=_positive(int), default=new_tokens)
     p.add_argument("--temperature", type=_non_negative_float, default=1.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--no-stop", dest="no_stop", action="store_true",
-                   help="ignore end-of-turn tokens: always sample max-new-tokens")
-    p.add_argument("--stop", dest="no_stop", action="store_false", help="stop sequences at end-of-turn tokens")
+    p.add_argument(
+        "--no-stop",
+        dest="no_stop",
+        action="store_true",
+        help="ignore end-of-turn tokens: always sample max-new-tokens",
+    )
+    p.add_argument(
+        "--stop", dest="no_stop", action="store_false", help="stop sequences at end-of-turn tokens"
+    )
     p.add_argument("--batch-size", type=_positive(int), default=8, help="sequences decoded together")
     p.add_argument("--seed", type=int, default=0)
 
@@ -92,7 +111,9 @@ def _add_sampling_args(p: argparse.ArgumentParser, episodes: int, prompt_len: in
 def build_parser() -> argparse.ArgumentParser:
     from kvstreams.policies import POLICIES
 
-    parser = _Parser(prog="kvstreams", description="In-place KV eviction while sampling, exact replay while learning.")
+    parser = _Parser(
+        prog="kvstreams", description="In-place KV eviction while sampling, exact replay while learning."
+    )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("tiny-model", help="write a small random HF model + locally trained tokenizer")
@@ -101,7 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=_positive(int), default=4)
     p.add_argument("--hidden", type=_positive(int), default=128)
     p.add_argument("--heads", type=_positive(int), default=4)
-    p.add_argument("--kv-heads", type=_positive(int), default=None, help="default: heads/2 for qwen3 (GQA), heads for llama")
+    p.add_argument(
+        "--kv-heads",
+        type=_positive(int),
+        default=None,
+        help="default: heads/2 for qwen3 (GQA), heads for llama",
+    )
     p.add_argument("--vocab", type=_positive(int), default=512)
     p.add_argument("--seed", type=int, default=0)
 
@@ -113,8 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("verify", help="sample, replay, and compare sampler and learner log-probs per policy")
     _add_model_args(p)
-    p.add_argument("--policy", action="append", default=None,
-                   help="policy to check (repeatable); default: every registered policy")
+    p.add_argument(
+        "--policy",
+        action="append",
+        default=None,
+        help="policy to check (repeatable); default: every registered policy",
+    )
     _add_sampling_args(p, episodes=3, prompt_len=64, new_tokens=448)
     p.add_argument("--backend", default="sdpa", choices=["sdpa", "flex"])
     p.add_argument("--json", default=None, help="write the reports to this JSON file")
@@ -125,12 +155,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _console():
+    """A console at least 120 columns wide: tables stay readable when output is piped or captured."""
+    from rich.console import Console
+
+    return Console(width=max(Console().width, 120))
+
+
 @contextmanager
 def _progress(description: str, total: int):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  transient=True, disable=not sys.stderr.isatty()) as progress:
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        transient=True,
+        disable=not sys.stderr.isatty(),
+    ) as progress:
         task = progress.add_task(description, total=total)
         yield lambda n=1: progress.advance(task, n)
 
@@ -139,8 +182,12 @@ def _sampling_params(args, tokenizer):
     from kvstreams.engine import SamplingParams
 
     return SamplingParams(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        stop_token_ids=() if args.no_stop else None, seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        stop_token_ids=() if args.no_stop else None,
+        seed=args.seed,
     )
 
 
@@ -173,8 +220,16 @@ def cmd_tiny_model(args) -> int:
     from kvstreams.models import make_tiny_model
 
     _quiet_transformers()
-    out = make_tiny_model(args.out, arch=args.arch, layers=args.layers, hidden=args.hidden, heads=args.heads,
-                          kv_heads=args.kv_heads, vocab=args.vocab, seed=args.seed)
+    out = make_tiny_model(
+        args.out,
+        arch=args.arch,
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        vocab=args.vocab,
+        seed=args.seed,
+    )
     print(f"wrote {args.arch} tiny model to {out}")
     return 0
 
@@ -197,7 +252,7 @@ def cmd_rollout(args) -> int:
     with _progress(f"rollout {policy.name}", n_batches * args.max_new_tokens) as advance:
         for i in range(0, len(prompts), args.batch_size):
             batch_params = dataclasses.replace(params, seed=args.seed + i)
-            traces += engine.generate(prompts[i:i + args.batch_size], batch_params, progress=advance)
+            traces += engine.generate(prompts[i : i + args.batch_size], batch_params, progress=advance)
             events += engine.last_stats.eviction_events
     seconds = time.perf_counter() - start
     paths = [trace.save(out / f"trace-{i:05d}.safetensors") for i, trace in enumerate(traces)]
@@ -214,13 +269,14 @@ def cmd_rollout(args) -> int:
         "traces": [p.name for p in paths],
     }
     write_json(out / "summary.json", summary)
-    print(f"wrote {len(paths)} traces ({summary['tokens_trace']} tokens, {sum(events)} eviction events) to {out} "
-          f"in {seconds:.1f}s")
+    print(
+        f"wrote {len(paths)} traces ({summary['tokens_trace']} tokens, {sum(events)} eviction events) to {out} "
+        f"in {seconds:.1f}s"
+    )
     return 0
 
 
 def cmd_verify(args) -> int:
-    from rich.console import Console
     from rich.table import Table
 
     from kvstreams.atomic import write_json
@@ -236,46 +292,98 @@ def cmd_verify(args) -> int:
     reports = []
     for policy in policies:
         with _progress(f"verify {policy.name}", args.max_new_tokens) as advance:
-            report, _ = verify_policy(model, tokenizer, policy, prompts, params, backend=args.backend, progress=advance)
+            report, _ = verify_policy(
+                model, tokenizer, policy, prompts, params, backend=args.backend, progress=advance
+            )
         reports.append(report)
 
     table = Table(title=f"sampler vs learner log-probs: {args.model} ({args.dtype}, {args.backend})")
-    for col in ("policy", "seqs", "tokens", "events", "shadow max|Δ|", "mean|Δ|", "KL k3",
-                "dense max|Δ|", "mean|Δ|", "KL k3", "ok"):
+    for col in (
+        "policy",
+        "seqs",
+        "tokens",
+        "events",
+        "shadow max|Δ|",
+        "mean|Δ|",
+        "KL k3",
+        "dense max|Δ|",
+        "mean|Δ|",
+        "KL k3",
+        "ok",
+    ):
         table.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
     for r in reports:
-        table.add_row(r.policy, str(r.sequences), str(r.tokens), str(r.eviction_events),
-                      f"{r.shadow.max_abs_diff:.1e}", f"{r.shadow.mean_abs_diff:.1e}", f"{r.shadow.kl_k3:.1e}",
-                      f"{r.dense.max_abs_diff:.2f}", f"{r.dense.mean_abs_diff:.3f}", f"{r.dense.kl_k3:.3f}",
-                      "[green]yes[/]" if r.passed else "[red]NO[/]")
-    console = Console(width=max(Console().width, 120))
+        table.add_row(
+            r.policy,
+            str(r.sequences),
+            str(r.tokens),
+            str(r.eviction_events),
+            f"{r.shadow.max_abs_diff:.1e}",
+            f"{r.shadow.mean_abs_diff:.1e}",
+            f"{r.shadow.kl_k3:.1e}",
+            f"{r.dense.max_abs_diff:.2f}",
+            f"{r.dense.mean_abs_diff:.3f}",
+            f"{r.dense.kl_k3:.3f}",
+            "[green]yes[/]" if r.passed else "[red]NO[/]",
+        )
+    console = _console()
     console.print(table)
-    console.print("shadow = learner replaying the recorded per-layer, per-head visibility; dense = plain causal "
-                  f"learner (the naive baseline). events = eviction rounds. Pass: shadow max|Δ| <= {reports[0].tolerance:g}.")
+    console.print(
+        "shadow = learner replaying the recorded per-layer, per-head visibility; dense = plain causal "
+        f"learner (the naive baseline). events = eviction rounds. Pass: shadow max|Δ| <= {reports[0].tolerance:g}."
+    )
     if args.json:
-        write_json(args.json, {"model": str(args.model), "dtype": args.dtype, "backend": args.backend,
-                               "reports": [r.as_dict() for r in reports]})
+        write_json(
+            args.json,
+            {
+                "model": str(args.model),
+                "dtype": args.dtype,
+                "backend": args.backend,
+                "reports": [r.as_dict() for r in reports],
+            },
+        )
     return 0 if all(r.passed for r in reports) else 1
 
 
 def cmd_inspect(args) -> int:
-    from rich.console import Console
     from rich.table import Table
 
     from kvstreams.trace import Trace
 
     table = Table(title="traces")
-    for col in ("file", "tokens", "sampled", "death shape", "evicted entries", "policy", "mode", "temperature"):
-        table.add_column(col)
+    for col in (
+        "file",
+        "tokens",
+        "sampled",
+        "death shape",
+        "evicted entries",
+        "policy",
+        "mode",
+        "temperature",
+    ):
+        table.add_column(col, no_wrap=True)
     for path in args.traces:
         t = Trace.load(path)
-        table.add_row(Path(path).name, str(len(t)), str(int(t.sampled_mask.sum())), str(tuple(t.death.shape)),
-                      str(t.n_evicted), t.metadata["policy"], t.metadata["mode"], t.metadata["temperature"])
-    Console().print(table)
+        table.add_row(
+            Path(path).name,
+            str(len(t)),
+            str(int(t.sampled_mask.sum())),
+            str(tuple(t.death.shape)),
+            str(t.n_evicted),
+            t.metadata["policy"],
+            t.metadata["mode"],
+            t.metadata["temperature"],
+        )
+    _console().print(table)
     return 0
 
 
-COMMANDS = {"tiny-model": cmd_tiny_model, "rollout": cmd_rollout, "verify": cmd_verify, "inspect": cmd_inspect}
+COMMANDS = {
+    "tiny-model": cmd_tiny_model,
+    "rollout": cmd_rollout,
+    "verify": cmd_verify,
+    "inspect": cmd_inspect,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

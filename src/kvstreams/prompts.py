@@ -13,8 +13,9 @@ from kvstreams.models import WORDS
 
 
 def _chat_ids(tokenizer, content: str) -> list[int]:
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                        tokenize=True)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=True
+    )
     if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)
@@ -26,7 +27,9 @@ def synthetic_prompts(tokenizer, n: int, length: int, seed: int = 0) -> list[lis
         raise KVStreamsError(f"need at least one prompt, got {n}")
     empty = _chat_ids(tokenizer, "")
     if length <= len(empty):
-        raise KVStreamsError(f"--prompt-len must exceed the chat template's own {len(empty)} tokens, got {length}")
+        raise KVStreamsError(
+            f"--prompt-len must exceed the chat template's own {len(empty)} tokens, got {length}"
+        )
     # Split the empty rendering around the content: everything up to the first token that changes.
     probe = _chat_ids(tokenizer, "x")
     head_len = next(i for i, (a, b) in enumerate(zip(empty, probe, strict=False)) if a != b)

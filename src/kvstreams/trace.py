@@ -90,20 +90,30 @@ class Trace:
             if not isinstance(tensor, torch.Tensor):
                 raise TraceFormatError(f"trace field {name!r} is not a tensor")
             if tensor.dtype != _DTYPES[name]:
-                raise TraceFormatError(f"trace tensor {name!r} has dtype {tensor.dtype}, expected {_DTYPES[name]}")
+                raise TraceFormatError(
+                    f"trace tensor {name!r} has dtype {tensor.dtype}, expected {_DTYPES[name]}"
+                )
         if self.tokens.dim() != 1 or len(self) < 1:
-            raise TraceFormatError(f"trace tokens must be a non-empty 1-D tensor, got shape {tuple(self.tokens.shape)}")
+            raise TraceFormatError(
+                f"trace tokens must be a non-empty 1-D tensor, got shape {tuple(self.tokens.shape)}"
+            )
         T = len(self)
         for name in ("positions", "sampled_mask", "loss_mask", "sampler_logprobs", "policy_version"):
             tensor = tensors[name]
             if tensor is not None and tuple(tensor.shape) != (T,):
-                raise TraceFormatError(f"trace tensor {name!r} has shape {tuple(tensor.shape)}, expected ({T},)")
+                raise TraceFormatError(
+                    f"trace tensor {name!r} has shape {tuple(tensor.shape)}, expected ({T},)"
+                )
         if self.death.dim() != 3 or self.death.shape[-1] != T:
-            raise TraceFormatError(f"trace death has shape {tuple(self.death.shape)}, expected (L or 1, H_kv or 1, {T})")
+            raise TraceFormatError(
+                f"trace death has shape {tuple(self.death.shape)}, expected (L or 1, H_kv or 1, {T})"
+            )
         j = torch.arange(T, dtype=torch.int32)
         if bool((self.death <= j).any()):
             bad = int((self.death <= j).nonzero()[0, -1])
-            raise TraceFormatError(f"trace death[..., {bad}] <= {bad}: an entry must be visible at least to its own query")
+            raise TraceFormatError(
+                f"trace death[..., {bad}] <= {bad}: an entry must be visible at least to its own query"
+            )
         if bool((self.death > T).any()):
             raise TraceFormatError(f"trace death values exceed the trace length {T}")
         if bool((self.positions < 0).any()):
@@ -112,7 +122,9 @@ class Trace:
             raise TraceFormatError("trace token 0 cannot be sampled (no query precedes it)")
         lp = self.sampler_logprobs
         if bool(torch.isnan(lp[self.sampled_mask]).any()) or bool((lp[self.sampled_mask] > 1e-4).any()):
-            raise TraceFormatError("trace sampler_logprobs must be finite log-probabilities (<= 0) at sampled tokens")
+            raise TraceFormatError(
+                "trace sampler_logprobs must be finite log-probabilities (<= 0) at sampled tokens"
+            )
         if not bool(torch.isnan(lp[~self.sampled_mask]).all()):
             raise TraceFormatError("trace sampler_logprobs must be NaN where sampled_mask is False")
         missing = [k for k in REQUIRED_METADATA if k not in self.metadata]
@@ -124,7 +136,9 @@ class Trace:
             if float(self.metadata["temperature"]) < 0:
                 raise ValueError
         except ValueError:
-            raise TraceFormatError(f"trace temperature {self.metadata['temperature']!r} is not a number >= 0") from None
+            raise TraceFormatError(
+                f"trace temperature {self.metadata['temperature']!r} is not a number >= 0"
+            ) from None
 
     # --- storage ---------------------------------------------------------------------------------
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -152,7 +166,9 @@ class Trace:
                 metadata = dict(f.metadata() or {})
                 tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118  (safe_open has no __iter__)
         except Exception as err:  # safetensors raises its own error types for corrupt headers
-            raise TraceFormatError(f"{path}: not a readable safetensors file ({type(err).__name__}: {err})") from None
+            raise TraceFormatError(
+                f"{path}: not a readable safetensors file ({type(err).__name__}: {err})"
+            ) from None
         unknown = sorted(set(tensors) - set(_DTYPES))
         if unknown:
             raise TraceFormatError(f"{path}: unexpected tensor(s) {', '.join(unknown)}")

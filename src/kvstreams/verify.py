@@ -33,7 +33,7 @@ class Agreement:
         diffs = []
         for trace, lp in zip(traces, learner_logprobs, strict=True):
             m = trace.sampled_mask
-            diffs.append((lp[m].double() - trace.sampler_logprobs[m].double()))
+            diffs.append(lp[m].double() - trace.sampler_logprobs[m].double())
         d = torch.cat(diffs)
         if d.numel() == 0:
             return cls(0.0, 0.0, 0.0)
@@ -66,8 +66,15 @@ class PolicyReport:
         return {**asdict(self), "passed": self.passed}
 
 
-def verify_policy(model, tokenizer, policy: EvictionPolicy, prompts: list[list[int]], params: SamplingParams,
-                  backend: str = "sdpa", progress: Callable[[int], None] | None = None) -> tuple[PolicyReport, list[Trace]]:
+def verify_policy(
+    model,
+    tokenizer,
+    policy: EvictionPolicy,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    backend: str = "sdpa",
+    progress: Callable[[int], None] | None = None,
+) -> tuple[PolicyReport, list[Trace]]:
     engine = RolloutEngine(model, tokenizer, policy)
     traces = engine.generate(prompts, params, progress=progress)
     shadow = replay_logprobs(model, traces, mode="shadow", backend=backend)

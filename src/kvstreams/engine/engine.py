@@ -44,7 +44,9 @@ def choose_kept(
         score = score.masked_fill(protected & live, float("inf"))
     score = score.masked_fill(~live, float("-inf"))
     order = score.argsort(dim=-1, descending=True, stable=True)
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+    rank = torch.empty_like(order).scatter_(
+        -1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order)
+    )
     keep = live & (rank < target[:, None, None])
     return torch.where(evicting[:, None, None], keep, live)
 
@@ -67,8 +69,16 @@ class _Batch:
 class PrefillStep:
     """Attention context for the prompt: full causal attention, then the first eviction round."""
 
-    def __init__(self, engine: RolloutEngine, cache: SlotCache, col_index: torch.Tensor, batch: _Batch,
-                 evicting: torch.Tensor, window_from: torch.Tensor, generator: torch.Generator) -> None:
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        cache: SlotCache,
+        col_index: torch.Tensor,
+        batch: _Batch,
+        evicting: torch.Tensor,
+        window_from: torch.Tensor,
+        generator: torch.Generator,
+    ) -> None:
         self.engine, self.cache, self.batch = engine, cache, batch
         self.col_index = col_index  # [B, P] trace index of each column, -1 for left padding
         self.evicting = evicting
@@ -77,23 +87,35 @@ class PrefillStep:
 
     def attend(self, module, query, key, value, scale):
         layer = module.layer_idx
-        B, H, P, D = query.shape
+        B, H, P, _ = query.shape
         Hkv = key.shape[1]
         valid = self.col_index >= 0
         causal = torch.ones(P, P, dtype=torch.bool, device=query.device).tril()
         mask = causal[None] & valid[:, None, :]
         mask |= torch.eye(P, dtype=torch.bool, device=query.device)[None]  # padding rows see themselves
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask[:, None], scale=scale,
-                                             enable_gqa=H != Hkv)
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask[:, None], scale=scale, enable_gqa=Hkv != H
+        )
         policy = self.engine.policy
         cumulative = window = None
         if policy.needs:
             cumulative, window = self._attention_stats(query, key, mask, scale)
         index = self.col_index[:, None, :].expand(B, Hkv, P)
-        view = EntryView(layer=layer, keys=key, index=index, query_index=self.batch.query_index,
-                         budget=self.batch.budget, attn_cumulative=cumulative, attn_window=window,
-                         generator=self.generator)
-        keep = choose_kept(policy, view, self.batch.target, self.evicting) if bool(self.evicting.any()) else view.live
+        view = EntryView(
+            layer=layer,
+            keys=key,
+            index=index,
+            query_index=self.batch.query_index,
+            budget=self.batch.budget,
+            attn_cumulative=cumulative,
+            attn_window=window,
+            generator=self.generator,
+        )
+        keep = (
+            choose_kept(policy, view, self.batch.target, self.evicting)
+            if bool(self.evicting.any())
+            else view.live
+        )
         self.cache.record_death(layer, view.live & ~keep, index, self.batch.query_index + 1)
         if window is not None:
             window = window.masked_fill(self.evicting[:, None, None], 0.0)  # a new window starts
@@ -123,8 +145,15 @@ class PrefillStep:
 class DecodeStep:
     """Attention context for one decode step: write, attend over live slots, maybe evict."""
 
-    def __init__(self, engine: RolloutEngine, cache: SlotCache, batch: _Batch, evicting: torch.Tensor,
-                 in_window: torch.Tensor, generator: torch.Generator) -> None:
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        cache: SlotCache,
+        batch: _Batch,
+        evicting: torch.Tensor,
+        in_window: torch.Tensor,
+        generator: torch.Generator,
+    ) -> None:
         self.engine, self.cache, self.batch = engine, cache, batch
         self.evicting = evicting
         self.any_evicting = bool(evicting.any())
@@ -153,11 +182,16 @@ class DecodeStep:
             cache.window[layer] += received * self.in_window[:, None, None]
         if self.any_evicting:
             policy = self.engine.policy
-            view = EntryView(layer=layer, keys=keys, index=index, query_index=batch.query_index,
-                             budget=batch.budget,
-                             attn_cumulative=None if cache.cumulative is None else cache.cumulative[layer],
-                             attn_window=None if cache.window is None else cache.window[layer],
-                             generator=self.generator)
+            view = EntryView(
+                layer=layer,
+                keys=keys,
+                index=index,
+                query_index=batch.query_index,
+                budget=batch.budget,
+                attn_cumulative=None if cache.cumulative is None else cache.cumulative[layer],
+                attn_window=None if cache.window is None else cache.window[layer],
+                generator=self.generator,
+            )
             keep = choose_kept(policy, view, batch.target, self.evicting)
             cache.evict_slots(layer, live & ~keep, batch.query_index + 1)
             if cache.window is not None:
@@ -185,9 +219,13 @@ class RolloutEngine:
     >>> traces = engine.generate(prompts, SamplingParams(max_new_tokens=256, seed=0))
     """
 
-    def __init__(self, model, tokenizer=None, policy: EvictionPolicy | None = None, model_name: str = "") -> None:
+    def __init__(
+        self, model, tokenizer=None, policy: EvictionPolicy | None = None, model_name: str = ""
+    ) -> None:
         if getattr(model.config, "_attn_implementation", None) != "kvstreams":
-            raise KVStreamsError("the model must be loaded with kvstreams.models.load_model (kvstreams attention)")
+            raise KVStreamsError(
+                "the model must be loaded with kvstreams.models.load_model (kvstreams attention)"
+            )
         self.model = model
         self.tokenizer = tokenizer
         self.policy = policy or make_policy("full")
@@ -207,7 +245,9 @@ class RolloutEngine:
         return {eos} if eos is not None else set()
 
     @torch.no_grad()
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, progress=None) -> list[Trace]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, progress=None
+    ) -> list[Trace]:
         """Sample one continuation per prompt; returns one :class:`Trace` per prompt, in order."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise KVStreamsError("every prompt needs at least one token")
@@ -227,8 +267,13 @@ class RolloutEngine:
         T = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
 
         budget = T(budgets)
-        batch = _Batch(seq=torch.arange(n, device=device), query_index=T(prompt_lens) - 1, budget=budget,
-                       target=budget - policy.interval, n_live=T(prompt_lens))
+        batch = _Batch(
+            seq=torch.arange(n, device=device),
+            query_index=T(prompt_lens) - 1,
+            budget=budget,
+            target=budget - policy.interval,
+            n_live=T(prompt_lens),
+        )
         evicting = (batch.n_live >= budget) if policy.evicts() else torch.zeros_like(budget, dtype=torch.bool)
         window_from = torch.where(evicting, batch.n_live, budget) - policy.window_size
 
@@ -238,11 +283,13 @@ class RolloutEngine:
         ids = torch.full((n, P), pad_id, dtype=torch.long, device=device)
         col_index = torch.full((n, P), -1, dtype=torch.long, device=device)
         for b, prompt in enumerate(prompts):
-            ids[b, P - len(prompt):] = T(list(prompt))
-            col_index[b, P - len(prompt):] = torch.arange(len(prompt), device=device)
+            ids[b, P - len(prompt) :] = T(list(prompt))
+            col_index[b, P - len(prompt) :] = torch.arange(len(prompt), device=device)
         step = PrefillStep(self, cache, col_index, batch, evicting, window_from, generator)
         with attention_context(step):
-            logits = self.model(input_ids=ids, position_ids=col_index.clamp(min=0), logits_to_keep=1).logits[:, -1]
+            logits = self.model(input_ids=ids, position_ids=col_index.clamp(min=0), logits_to_keep=1).logits[
+                :, -1
+            ]
         batch.n_live = torch.where(evicting, batch.target, batch.n_live)
         events = evicting.long().clone()
 
@@ -254,8 +301,9 @@ class RolloutEngine:
         for step_no in range(G):
             new_tokens, new_lp = sample(logits, params, generator)
             done = []
-            for row, (seq, tok, lp) in enumerate(zip(batch.seq.tolist(), new_tokens.tolist(), new_lp.tolist(),
-                                                     strict=True)):
+            for row, (seq, tok, lp) in enumerate(
+                zip(batch.seq.tolist(), new_tokens.tolist(), new_lp.tolist(), strict=True)
+            ):
                 tokens[seq].append(tok)
                 logprobs[seq].append(lp)
                 if tok in stop_ids or step_no == G - 1:
@@ -279,16 +327,24 @@ class RolloutEngine:
             # --- decode the token just sampled ----------------------------------------------------
             batch.query_index = batch.query_index + 1
             after_write = batch.n_live + 1
-            evicting = (after_write >= batch.budget) if policy.evicts() else torch.zeros_like(after_write, dtype=torch.bool)
+            evicting = (
+                (after_write >= batch.budget)
+                if policy.evicts()
+                else torch.zeros_like(after_write, dtype=torch.bool)
+            )
             in_window = (batch.budget - after_write) < policy.window_size
             step = DecodeStep(self, cache, batch, evicting, in_window, generator)
             with attention_context(step):
-                logits = self.model(input_ids=new_tokens[:, None], position_ids=batch.query_index[:, None]).logits[:, -1]
+                logits = self.model(
+                    input_ids=new_tokens[:, None], position_ids=batch.query_index[:, None]
+                ).logits[:, -1]
             batch.n_live = torch.where(evicting, batch.target, after_write)
             events += evicting.long()
 
-        traces = [self._trace(tokens[i], prompt_lens[i], logprobs[i], deaths[i], params, budgets[i])
-                  for i in range(n)]
+        traces = [
+            self._trace(tokens[i], prompt_lens[i], logprobs[i], deaths[i], params, budgets[i])
+            for i in range(n)
+        ]
         self.last_stats = RolloutStats(
             sequences=n,
             tokens_generated=sum(len(t) - p for t, p in zip(tokens, prompt_lens, strict=True)),
@@ -300,8 +356,15 @@ class RolloutEngine:
         )
         return traces
 
-    def _trace(self, tokens: list[int], prompt_len: int, logprobs: list[float], death: torch.Tensor | None,
-               params: SamplingParams, budget: int) -> Trace:
+    def _trace(
+        self,
+        tokens: list[int],
+        prompt_len: int,
+        logprobs: list[float],
+        death: torch.Tensor | None,
+        params: SamplingParams,
+        budget: int,
+    ) -> Trace:
         length = len(tokens)
         assert death is not None
         death = death[:, :, :length].clamp(max=length).cpu()

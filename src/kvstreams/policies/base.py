@@ -144,7 +144,9 @@ def parse_budget(text: str) -> float | int:
             return float(raw)
         return int(raw)
     except ValueError:
-        raise KVStreamsError(f"bad budget {text!r}: give a fraction like 0.5 or 50%, or a count like 256") from None
+        raise KVStreamsError(
+            f"bad budget {text!r}: give a fraction like 0.5 or 50%, or a count like 256"
+        ) from None
 
 
 def make_policy(name: str, **kwargs: Any) -> EvictionPolicy:
@@ -155,11 +157,15 @@ def make_policy(name: str, **kwargs: Any) -> EvictionPolicy:
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(kwargs) - fields)
     if unknown:
-        raise KVStreamsError(f"policy {name!r} has no option(s) {', '.join(unknown)}; it takes {', '.join(sorted(fields))}")
+        raise KVStreamsError(
+            f"policy {name!r} has no option(s) {', '.join(unknown)}; it takes {', '.join(sorted(fields))}"
+        )
     return cls(**{k: v for k, v in kwargs.items() if v is not None})
 
 
-def sequence_order_pool(values: torch.Tensor, index: torch.Tensor, kernel: int, mode: str = "avg") -> torch.Tensor:
+def sequence_order_pool(
+    values: torch.Tensor, index: torch.Tensor, kernel: int, mode: str = "avg"
+) -> torch.Tensor:
     """1-D pooling of per-entry values along *trace order* (entries sit in arbitrary cache slots).
 
     Empty entries (index < 0) contribute zeros and are placed after all live ones.

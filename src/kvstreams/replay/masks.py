@@ -51,7 +51,9 @@ def block_mask_from_death(death: torch.Tensor, n_heads: int, block_size: int = 1
     kv_num, kv_idx = as_indices(partial)
     full_num, full_idx = as_indices(full)
     if group > 1 and Hd > 1:
-        kv_num, kv_idx, full_num, full_idx = (t.repeat_interleave(group, dim=1) for t in (kv_num, kv_idx, full_num, full_idx))
+        kv_num, kv_idx, full_num, full_idx = (
+            t.repeat_interleave(group, dim=1) for t in (kv_num, kv_idx, full_num, full_idx)
+        )
     heads_per_death = group if Hd > 1 else n_heads
 
     def mask_mod(b, h, q_idx, kv_idx):

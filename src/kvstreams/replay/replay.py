@@ -44,12 +44,18 @@ class ReplayBatch:
     temperatures: list[float]
 
     def to(self, device) -> ReplayBatch:
-        return ReplayBatch(self.tokens.to(device), self.positions.to(device), self.death.to(device), self.spans,
-                           self.temperatures)
+        return ReplayBatch(
+            self.tokens.to(device),
+            self.positions.to(device),
+            self.death.to(device),
+            self.spans,
+            self.temperatures,
+        )
 
 
-def collate(traces: Sequence[Trace], n_layers: int, n_kv_heads: int, mode: Mode = "shadow",
-            packed: bool = False) -> ReplayBatch:
+def collate(
+    traces: Sequence[Trace], n_layers: int, n_kv_heads: int, mode: Mode = "shadow", packed: bool = False
+) -> ReplayBatch:
     """Lay traces out padded (one per row) or packed (all in one row), with ``mode``'s visibility."""
     if mode not in MODES:
         raise KVStreamsError(f"unknown replay mode {mode!r}; choose {' or '.join(MODES)}")
@@ -70,13 +76,13 @@ def collate(traces: Sequence[Trace], n_layers: int, n_kv_heads: int, mode: Mode 
     # Filler entries are visible to themselves only, so they never leak into real queries.
     death = (torch.arange(width, dtype=torch.int32) + 1).expand(rows, L, H, width).clone()
     for trace, (row, start, n) in zip(traces, spans, strict=True):
-        tokens[row, start:start + n] = trace.tokens
-        positions[row, start:start + n] = trace.positions
+        tokens[row, start : start + n] = trace.tokens
+        positions[row, start : start + n] = trace.positions
         if mode == "dense":
-            death[row, :, :, start:start + n] = start + n
+            death[row, :, :, start : start + n] = start + n
         else:
             d = trace.death_for(n_layers, n_kv_heads)[:L, :H] if (L, H) != (1, 1) else trace.death[:1, :1]
-            death[row, :, :, start:start + n] = d.expand(L, H, n) + start
+            death[row, :, :, start : start + n] = d.expand(L, H, n) + start
     return ReplayBatch(tokens, positions, death, spans, [t.temperature for t in traces])
 
 
@@ -120,7 +126,9 @@ class ReplayMask:
         mask = self.mask_for(module.layer_idx)
         gqa = query.shape[1] != key.shape[1]
         if self.backend == "sdpa":
-            out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(
+                query, key, value, attn_mask=mask, scale=scale, enable_gqa=gqa
+            )
         else:
             out = _flex_attention()(query, key, value, block_mask=mask, scale=scale, enable_gqa=gqa)
         return out.transpose(1, 2)
@@ -139,16 +147,17 @@ def token_logprobs(logits: torch.Tensor, batch: ReplayBatch) -> list[torch.Tenso
     """Per trace, [T] log-prob of each token given what precedes it (NaN at index 0), float32."""
     out = []
     for (row, start, n), temperature in zip(batch.spans, batch.temperatures, strict=True):
-        logp = torch.log_softmax(logits[row, start:start + n - 1].float() / temperature, dim=-1)
-        targets = batch.tokens[row, start + 1:start + n].to(logits.device)
+        logp = torch.log_softmax(logits[row, start : start + n - 1].float() / temperature, dim=-1)
+        targets = batch.tokens[row, start + 1 : start + n].to(logits.device)
         lp = logp.gather(-1, targets[:, None]).squeeze(-1)
         out.append(torch.cat([torch.full((1,), float("nan"), device=lp.device), lp]))
     return out
 
 
 @torch.no_grad()
-def replay_logprobs(model, traces: Sequence[Trace], mode: Mode = "shadow", backend: Backend = "sdpa",
-                    packed: bool = False) -> list[torch.Tensor]:
+def replay_logprobs(
+    model, traces: Sequence[Trace], mode: Mode = "shadow", backend: Backend = "sdpa", packed: bool = False
+) -> list[torch.Tensor]:
     """Log-probs [T] per trace (CPU, float32, NaN at index 0) as the learner sees them."""
     shape = model_shape(model)
     batch = collate(traces, shape.n_layers, shape.n_kv_heads, mode=mode, packed=packed)

@@ -1,0 +1,3 @@
+from kvstreams.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,33 @@
+"""Shared fixtures: tiny models are made once per test session (a few seconds each)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvstreams.models import load_model, make_tiny_model
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("models")
+    return {arch: str(make_tiny_model(root / arch, arch=arch)) for arch in ("qwen3", "llama")}
+
+
+@pytest.fixture(scope="session")
+def models(model_dirs):
+    """arch -> (model, tokenizer); qwen3 is GQA with q/k norm, llama is multi-head."""
+    torch.set_num_threads(2)
+    return {arch: load_model(path) for arch, path in model_dirs.items()}
+
+
+@pytest.fixture(scope="session")
+def qwen(models):
+    return models["qwen3"]
+
+
+def random_prompts(n: int, lengths: int | list[int], seed: int = 0, vocab: int = 500) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    if isinstance(lengths, int):
+        lengths = [lengths] * n
+    return [torch.randint(5, vocab, (length,), generator=g).tolist() for length in lengths]

@@ -1,0 +1,179 @@
+"""Rollout engine behaviour: bounded KV storage, eviction semantics, sampling, determinism."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import random_prompts
+from kvstreams.engine import RolloutEngine, SamplingParams
+from kvstreams.engine.sampling import sample
+from kvstreams.errors import KVStreamsError
+from kvstreams.models import model_shape
+from kvstreams.policies import POLICIES, make_policy
+
+EVICTING = sorted(n for n in POLICIES if n != "full")
+
+
+def visible_counts(trace, layer: int, head: int) -> torch.Tensor:
+    """Entries visible to each query of a trace, from its death record."""
+    return trace.visible(layer, head).sum(-1)
+
+
+def test_kv_storage_stays_at_budget_while_sequence_grows_4x(qwen):
+    model, tok = qwen
+    shape = model_shape(model)
+    budget = 64
+    allocated = {}
+    for new_tokens in (128, 512):
+        engine = RolloutEngine(model, tok, make_policy("h2o", budget=budget))
+        traces = engine.generate(
+            random_prompts(2, 32), SamplingParams(max_new_tokens=new_tokens, stop_token_ids=())
+        )
+        assert len(traces[0]) == 32 + new_tokens
+        allocated[new_tokens] = engine.last_stats.kv_bytes_allocated
+        assert engine.last_stats.kv_capacity == budget
+    bytes_per_entry = 2 * shape.n_layers * shape.n_kv_heads * shape.head_dim * 4  # K and V, float32
+    assert allocated[128] == allocated[512] == 2 * budget * bytes_per_entry
+
+    full = RolloutEngine(model, tok, make_policy("full"))
+    full.generate(random_prompts(2, 32), SamplingParams(max_new_tokens=512, stop_token_ids=()))
+    assert full.last_stats.kv_bytes_allocated > 8 * allocated[512]
+
+
+@pytest.mark.parametrize("policy_name", EVICTING)
+def test_no_query_sees_more_than_the_budget(qwen, policy_name):
+    model, tok = qwen
+    budget = 80
+    prompt_len = 40
+    policy = make_policy(policy_name, budget=budget)
+    traces = RolloutEngine(model, tok, policy).generate(
+        random_prompts(2, prompt_len), SamplingParams(max_new_tokens=200, stop_token_ids=())
+    )
+    shape = model_shape(model)
+    for t in traces:
+        for layer in range(shape.n_layers):
+            for head in range(shape.n_kv_heads):
+                counts = visible_counts(t, layer, head)
+                assert int(counts[prompt_len:].max()) <= budget
+                # the cache fills up to the budget: the bound is reached, not merely respected
+                assert int(counts[prompt_len:].max()) == budget
+        # every eviction takes effect after the prompt, from a query the engine actually ran
+        evicted = t.death[t.death < len(t)]
+        assert int(evicted.min()) >= prompt_len
+
+
+def test_prefill_longer_than_budget_is_compressed_at_prefill(qwen):
+    model, tok = qwen
+    prompt_len, budget = 200, 64
+    engine = RolloutEngine(model, tok, make_policy("snapkv", budget=budget, window=16, interval=16))
+    (trace,) = engine.generate(
+        random_prompts(1, prompt_len), SamplingParams(max_new_tokens=40, stop_token_ids=())
+    )
+    # prompt queries had full causal attention ...
+    assert int(visible_counts(trace, 0, 0)[prompt_len - 1]) == prompt_len
+    # ... and the first generated query sees only what the first round kept
+    died_at_prefill = trace.death[..., :prompt_len] == prompt_len
+    assert int(died_at_prefill.sum(-1).min()) == prompt_len - (budget - 16)
+    # snapkv always keeps its observation window
+    assert bool((trace.death[..., prompt_len - 16 : prompt_len] > prompt_len).all())
+
+
+def test_eviction_is_per_layer_and_per_head(qwen):
+    model, tok = qwen
+    (trace,) = RolloutEngine(model, tok, make_policy("snapkv", budget=96)).generate(
+        random_prompts(1, 64), SamplingParams(max_new_tokens=300, stop_token_ids=())
+    )
+    L, H, _ = trace.death.shape
+    assert (model_shape(model).n_layers, model_shape(model).n_kv_heads) == (L, H)
+    assert not torch.equal(trace.death[0, 0], trace.death[0, 1])
+    assert not torch.equal(trace.death[0, 0], trace.death[1, 0])
+
+
+@pytest.mark.parametrize("policy_name", ["streaming_llm", "recent"])
+def test_uniform_policies_store_one_record(qwen, policy_name):
+    model, tok = qwen
+    (trace,) = RolloutEngine(model, tok, make_policy(policy_name, budget=50)).generate(
+        random_prompts(1, 30), SamplingParams(max_new_tokens=100, stop_token_ids=())
+    )
+    assert tuple(trace.death.shape) == (1, 1, 130)
+    T = len(trace)
+    never = trace.death[0, 0] == T
+    if policy_name == "streaming_llm":
+        assert bool(never[:4].all())  # attention sinks are never evicted
+        assert not bool(never[4:60].any())
+    else:
+        assert not bool(never[:60].any())
+    # at the end the last query saw budget - 1 kept entries plus itself; the final token was never fed
+    assert int(never.sum()) == 50
+    n_recent = 50 - (4 if policy_name == "streaming_llm" else 0)
+    assert bool(never[-n_recent:].all()) and not bool(never[-n_recent - 1])
+
+
+def test_h2o_keeps_its_recent_window(qwen):
+    model, tok = qwen
+    budget = 60
+    policy = make_policy("h2o", budget=budget)  # recent_ratio 0.5 -> 29 recent entries protected
+    (trace,) = RolloutEngine(model, tok, policy).generate(
+        random_prompts(1, 30), SamplingParams(max_new_tokens=150, stop_token_ids=())
+    )
+    recent = policy.n_protected(budget)
+    j = torch.arange(len(trace))
+    # an entry is never evicted while it is among the `recent` newest ones
+    assert bool((trace.death >= (j + recent + 1).clamp(max=len(trace))).all())
+    assert trace.n_evicted > 0
+
+
+def test_same_seed_same_rollout_and_different_seed_differs(qwen):
+    model, tok = qwen
+    prompts = random_prompts(3, 48)
+    run = lambda seed: RolloutEngine(model, tok, make_policy("random", budget=64)).generate(  # noqa: E731
+        prompts, SamplingParams(max_new_tokens=80, seed=seed, stop_token_ids=())
+    )
+    a, b, c = run(11), run(11), run(12)
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x.tokens, y.tokens) and torch.equal(x.death, y.death)
+    assert any(not torch.equal(x.tokens, z.tokens) for x, z in zip(a, c, strict=True))
+
+
+def test_greedy_and_top_k_one_agree(qwen):
+    model, tok = qwen
+    prompts = random_prompts(2, 32)
+    greedy = RolloutEngine(model, tok).generate(
+        prompts, SamplingParams(max_new_tokens=30, temperature=0, stop_token_ids=())
+    )
+    top1 = RolloutEngine(model, tok).generate(
+        prompts, SamplingParams(max_new_tokens=30, top_k=1, seed=5, stop_token_ids=())
+    )
+    for g, t in zip(greedy, top1, strict=True):
+        assert torch.equal(g.tokens, t.tokens)
+        assert g.metadata["temperature"] == "0" or float(g.metadata["temperature"]) == 0.0
+        assert g.temperature == 1.0  # greedy log-probs are recorded at temperature 1
+
+
+def test_sampler_logprob_is_before_truncation():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
+    params = SamplingParams(temperature=0.7, top_k=2, top_p=0.9)
+    g = torch.Generator().manual_seed(0)
+    token, lp = sample(logits, params, g)
+    expected = torch.log_softmax(logits / 0.7, -1)[0, token]
+    assert torch.allclose(lp, expected)
+    # top-p keeps the token that crosses the threshold: with top_p tiny only the argmax remains
+    for seed in range(20):
+        tok, _ = sample(logits, SamplingParams(top_p=0.01), torch.Generator().manual_seed(seed))
+        assert int(tok) == 0
+
+
+def test_budget_too_small_for_protected_entries(qwen):
+    model, tok = qwen
+    engine = RolloutEngine(model, tok, make_policy("snapkv", budget=40))  # keeps 40 - 32 = 8 < window 32
+    with pytest.raises(KVStreamsError, match="too small"):
+        engine.generate(random_prompts(1, 20), SamplingParams(max_new_tokens=50))
+
+
+def test_policy_version_is_recorded(qwen):
+    model, tok = qwen
+    engine = RolloutEngine(model, tok)
+    engine.policy_version = 3
+    (trace,) = engine.generate(random_prompts(1, 10), SamplingParams(max_new_tokens=5, stop_token_ids=()))
+    assert trace.policy_version is not None and bool((trace.policy_version == 3).all())
