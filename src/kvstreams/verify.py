@@ -17,7 +17,9 @@ from kvstreams.policies import EvictionPolicy
 from kvstreams.replay import replay_logprobs
 from kvstreams.trace import Trace
 
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+# Sampler and learner run the same math in different shapes (one-token decode vs whole-trace forward);
+# in float32 that is rounding noise, in half precision the per-token rounding differs visibly.
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-1, torch.float16: 2e-2}
 
 
 @dataclass
