@@ -109,6 +109,7 @@ def _add_sampling_args(p: argparse.ArgumentParser, episodes: int, prompt_len: in
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvstreams.models import ARCHS
     from kvstreams.policies import POLICIES
 
     parser = _Parser(
@@ -117,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("tiny-model", help="write a small random HF model + locally trained tokenizer")
-    p.add_argument("--arch", default="qwen3", choices=["qwen3", "llama"])
+    p.add_argument("--arch", default="qwen3", choices=list(ARCHS))
     p.add_argument("--out", required=True)
     p.add_argument("--layers", type=_positive(int), default=4)
     p.add_argument("--hidden", type=_positive(int), default=128)
@@ -126,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-heads",
         type=_positive(int),
         default=None,
-        help="default: heads/2 for qwen3 (GQA), heads for llama",
+        help="default: heads for llama, heads/2 (GQA) otherwise",
     )
     p.add_argument("--vocab", type=_positive(int), default=512)
     p.add_argument("--seed", type=int, default=0)

@@ -348,7 +348,8 @@ def train_tokenizer(vocab_size: int, seed: int = 0, extra_texts: list[str] | Non
     )
 
 
-Arch = Literal["llama", "qwen3"]
+Arch = Literal["llama", "qwen2", "qwen3", "mistral"]
+ARCHS = ("qwen3", "llama", "qwen2", "mistral")
 
 
 def make_tiny_model(
@@ -365,15 +366,16 @@ def make_tiny_model(
     """Write a randomly initialised (seeded) HF model directory with a locally trained tokenizer.
 
     The default qwen3 model uses GQA (2 KV heads for 4 query heads) and q/k norm; llama defaults to
-    multi-head attention. ``init_std`` is larger than the usual 0.02 so that attention is peaked
+    multi-head attention; qwen2 (q/k/v biases) and mistral use GQA, without sliding windows.
+    ``init_std`` is larger than the usual 0.02 so that attention is peaked
     enough for eviction to change the model's predictions measurably.
     """
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    if arch not in ("llama", "qwen3"):
-        raise KVStreamsError(f"unknown --arch {arch!r}; choose llama or qwen3")
+    if arch not in ARCHS:
+        raise KVStreamsError(f"unknown --arch {arch!r}; choose one of {', '.join(ARCHS)}")
     if kv_heads is None:
-        kv_heads = max(1, heads // 2) if arch == "qwen3" else heads
+        kv_heads = heads if arch == "llama" else max(1, heads // 2)
     for name, value in (("layers", layers), ("hidden", hidden), ("heads", heads), ("kv-heads", kv_heads)):
         if value < 1:
             raise KVStreamsError(f"--{name} must be positive, got {value}")
@@ -398,7 +400,14 @@ def make_tiny_model(
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
     )
-    config = Qwen3Config(**common) if arch == "qwen3" else LlamaConfig(**common)
+    if arch == "qwen3":
+        config = Qwen3Config(**common)
+    elif arch == "qwen2":
+        config = Qwen2Config(**common, use_sliding_window=False)
+    elif arch == "mistral":
+        config = MistralConfig(**common, sliding_window=None)
+    else:
+        config = LlamaConfig(**common)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     out = Path(out_dir)

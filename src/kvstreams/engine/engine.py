@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -85,7 +85,14 @@ class PrefillStep:
         self.window_from = window_from  # [B] prompt queries at or after this index are in the window
         self.generator = generator
 
-    def attend(self, module, query, key, value, scale):
+    def attend(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
         layer = module.layer_idx
         B, H, P, _ = query.shape
         Hkv = key.shape[1]
@@ -122,7 +129,9 @@ class PrefillStep:
         self.cache.store_prefill(layer, key, value, index, keep, cumulative, window)
         return out.transpose(1, 2)
 
-    def _attention_stats(self, query, key, mask, scale):
+    def _attention_stats(
+        self, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention each prompt entry receives: from all queries, and from the observation window."""
         B, H, P, D = query.shape
         Hkv = key.shape[1]
@@ -160,7 +169,14 @@ class DecodeStep:
         self.in_window = in_window
         self.generator = generator
 
-    def attend(self, module, query, key, value, scale):
+    def attend(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
         layer = module.layer_idx
         cache, batch = self.cache, self.batch
         cache.append(layer, key, value, batch.query_index)
@@ -246,9 +262,15 @@ class RolloutEngine:
 
     @torch.no_grad()
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, progress=None
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        progress: Callable[[int], None] | None = None,
     ) -> list[Trace]:
-        """Sample one continuation per prompt; returns one :class:`Trace` per prompt, in order."""
+        """Sample one continuation per prompt; returns one :class:`Trace` per prompt, in order.
+
+        ``progress(1)`` is called after every decode step (for progress bars).
+        """
         if not prompts or any(len(p) == 0 for p in prompts):
             raise KVStreamsError("every prompt needs at least one token")
         device, policy = self.device, self.policy
@@ -262,6 +284,7 @@ class RolloutEngine:
                 policy.check_budget(b)
         capacity = max(min(b, c) for b, c in zip(budgets, contexts, strict=True))
         cache = SlotCache(self.shape, n, capacity, max(contexts), self.model.dtype, device, policy.needs)
+        kv_bytes_allocated = cache.kv_bytes  # the peak: rows are only ever removed
         generator = torch.Generator(device=device).manual_seed(params.seed)
         stop_ids = self._stop_ids(params)
         T = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
@@ -310,8 +333,7 @@ class RolloutEngine:
                     done.append(row)
             if progress is not None:
                 progress(1)
-            if done:
-                done_rows = T(done)
+            if done:  # finished sequences leave the batch; their record is complete
                 for row in done:
                     seq = int(batch.seq[row])
                     deaths[seq] = cache.death[row].clone()
@@ -323,7 +345,6 @@ class RolloutEngine:
                 batch.select(keep_rows)
                 new_tokens = new_tokens.index_select(0, keep_rows)
                 events = events.index_select(0, keep_rows)
-                del done_rows
             # --- decode the token just sampled ----------------------------------------------------
             batch.query_index = batch.query_index + 1
             after_write = batch.n_live + 1
@@ -352,7 +373,7 @@ class RolloutEngine:
             eviction_events=finished_events,
             budgets=budgets,
             kv_capacity=capacity,
-            kv_bytes_allocated=cache.kv_bytes,
+            kv_bytes_allocated=kv_bytes_allocated,
         )
         return traces
 

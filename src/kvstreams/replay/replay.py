@@ -54,9 +54,18 @@ class ReplayBatch:
 
 
 def collate(
-    traces: Sequence[Trace], n_layers: int, n_kv_heads: int, mode: Mode = "shadow", packed: bool = False
+    traces: Sequence[Trace],
+    n_layers: int,
+    n_kv_heads: int,
+    mode: Mode = "shadow",
+    packed: bool = False,
+    multiple_of: int = 1,
 ) -> ReplayBatch:
-    """Lay traces out padded (one per row) or packed (all in one row), with ``mode``'s visibility."""
+    """Lay traces out padded (one per row) or packed (all in one row), with ``mode``'s visibility.
+
+    ``multiple_of`` rounds the row width up: the flex backend compiles one kernel per shape, so
+    widths are bucketed by its block size.
+    """
     if mode not in MODES:
         raise KVStreamsError(f"unknown replay mode {mode!r}; choose {' or '.join(MODES)}")
     if not traces:
@@ -71,6 +80,7 @@ def collate(
     else:
         rows, width = len(traces), max(lengths)
         spans = [(i, 0, n) for i, n in enumerate(lengths)]
+    width = -(-width // multiple_of) * multiple_of
     tokens = torch.zeros(rows, width, dtype=torch.long)
     positions = torch.zeros(rows, width, dtype=torch.long)
     # Filler entries are visible to themselves only, so they never leak into real queries.
@@ -86,6 +96,7 @@ def collate(
     return ReplayBatch(tokens, positions, death, spans, [t.temperature for t in traces])
 
 
+FLEX_BLOCK_SIZE = 128
 _compiled_flex = None
 
 
@@ -119,10 +130,17 @@ class ReplayMask:
                     mask = mask.repeat_interleave(self.n_heads // mask.shape[1], dim=1)
                 self._masks[key] = mask
             else:
-                self._masks[key] = block_mask_from_death(death, self.n_heads)
+                self._masks[key] = block_mask_from_death(death, self.n_heads, FLEX_BLOCK_SIZE)
         return self._masks[key]
 
-    def attend(self, module, query, key, value, scale):
+    def attend(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
         mask = self.mask_for(module.layer_idx)
         gqa = query.shape[1] != key.shape[1]
         if self.backend == "sdpa":
@@ -160,6 +178,9 @@ def replay_logprobs(
 ) -> list[torch.Tensor]:
     """Log-probs [T] per trace (CPU, float32, NaN at index 0) as the learner sees them."""
     shape = model_shape(model)
-    batch = collate(traces, shape.n_layers, shape.n_kv_heads, mode=mode, packed=packed)
+    multiple_of = FLEX_BLOCK_SIZE if backend == "flex" else 1
+    batch = collate(
+        traces, shape.n_layers, shape.n_kv_heads, mode=mode, packed=packed, multiple_of=multiple_of
+    )
     logits = replay_logits(model, batch, backend)
     return [lp.cpu() for lp in token_logprobs(logits, batch)]
