@@ -75,18 +75,6 @@ class SlotCache:
             if stat is not None and src is not None:
                 stat[layer, :, :, :n] = torch.where(kept, src.gather(-1, sel), 0.0)
 
-    def append(self, layer: int, key: torch.Tensor, value: torch.Tensor, query_index: torch.Tensor) -> None:
-        """Write one new entry per (sequence, head) into a free slot. key/value [B, H, 1, D]."""
-        free = self.index[layer] < 0
-        slot = free.to(torch.int8).argmax(dim=-1, keepdim=True)  # [B, H, 1], first free slot
-        D = key.shape[-1]
-        self.keys[layer].scatter_(2, slot.unsqueeze(-1).expand(-1, -1, -1, D), key)
-        self.values[layer].scatter_(2, slot.unsqueeze(-1).expand(-1, -1, -1, D), value)
-        self.index[layer].scatter_(2, slot, query_index.view(-1, 1, 1).expand_as(slot))
-        for stat in (self.cumulative, self.window):
-            if stat is not None:
-                stat[layer].scatter_(2, slot, 0.0)
-
     def record_death(self, layer: int, evicted: torch.Tensor, index: torch.Tensor, at: torch.Tensor) -> None:
         """Entries ``evicted`` ([B, H, N] over candidates whose trace indices are ``index``) die at ``at`` [B]."""
         b, h, n = evicted.nonzero(as_tuple=True)
@@ -100,6 +88,86 @@ class SlotCache:
         for stat in (self.cumulative, self.window):
             if stat is not None:
                 stat[layer].masked_fill_(evicted, 0.0)
+
+    def write_chunk(self, layer: int, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor) -> None:
+        """Write up to C new entries per sequence into free slots (the first C free ones).
+
+        keys/values [B, H, C, D]; ``index`` [B, C] trace indices, -1 for padding columns. A padding
+        column's K/V land in a slot that stays free: harmless, free slots are never attended.
+        Callers :meth:`reserve` room first.
+        """
+        B, H, C, D = keys.shape
+        slots = self._first_free(layer, C)
+        expand = slots.unsqueeze(-1).expand(-1, -1, -1, D)
+        self.keys[layer].scatter_(2, expand, keys)
+        self.values[layer].scatter_(2, expand, values)
+        self.index[layer].scatter_(2, slots, index[:, None, :].expand(B, H, C))
+        for stat in (self.cumulative, self.window):
+            if stat is not None:
+                stat[layer].scatter_(2, slots, 0.0)
+
+    def _first_free(self, layer: int, n: int) -> torch.Tensor:
+        """[B, H, n] the first ``n`` free slots of every (sequence, head), in O(S)."""
+        free = self.index[layer] < 0
+        if n == 1:
+            return free.to(torch.int8).argmax(dim=-1, keepdim=True)
+        rank = free.cumsum(dim=-1) - 1
+        target = torch.where(free & (rank < n), rank, n)  # non-candidates go to a dummy column n
+        out = torch.zeros(*free.shape[:-1], n + 1, dtype=torch.long, device=free.device)
+        slot_ids = torch.arange(free.shape[-1], device=free.device).expand_as(target)
+        return out.scatter_(-1, target, slot_ids)[..., :n]
+
+    def free_slots(self) -> torch.Tensor:
+        """[B] the fewest free slots over layers and heads, per sequence."""
+        return (self.index < 0).sum(-1).amin(dim=(0, 2))
+
+    def reserve(self, n_free: int) -> None:
+        """Grow (doubling) until every sequence has ``n_free`` free slots in every layer and head."""
+        short = n_free - int(self.free_slots().min())
+        if short <= 0:
+            return
+        grow = max(short, self.capacity)
+
+        def pad(t: torch.Tensor, value: float) -> torch.Tensor:
+            extra = torch.full((*t.shape[:3], grow, *t.shape[4:]), value, dtype=t.dtype, device=t.device)
+            return torch.cat([t, extra], dim=3)
+
+        self.keys, self.values = pad(self.keys, 0), pad(self.values, 0)
+        self.index = pad(self.index, -1)
+        if self.cumulative is not None:
+            self.cumulative = pad(self.cumulative, 0.0)
+        if self.window is not None:
+            self.window = pad(self.window, 0.0)
+        self.capacity += grow
+
+    def reserve_time(self, length: int) -> None:
+        """Make the death record long enough for traces of ``length`` tokens."""
+        current = self.death.shape[-1]
+        if length <= current:
+            return
+        extra = max(length - current, current)
+        more = torch.full((*self.death.shape[:3], extra), NEVER, dtype=torch.int32, device=self.death.device)
+        self.death = torch.cat([self.death, more], dim=-1)
+
+    def evict_range(self, row: int, start: int, end: int, at: int) -> int:
+        """Evict sequence ``row``'s live entries with trace index in [start, end) from every layer and
+        head; they die at query ``at``. Returns how many (per layer and head) were live."""
+        index = self.index[:, row]  # [L, H, S]
+        hit = (index >= start) & (index < end)
+        n = int(hit[0, 0].sum())
+        if n:
+            layers, heads, slots = hit.nonzero(as_tuple=True)
+            self.death[row, layers, heads, index[layers, heads, slots]] = at
+            self.index[:, row].masked_fill_(hit, -1)
+        return n
+
+    def clear_row(self, row: int) -> None:
+        """Forget sequence ``row`` entirely (a new trace starts there); nothing is recorded."""
+        self.index[:, row] = -1
+        self.death[row] = NEVER
+        for stat in (self.cumulative, self.window):
+            if stat is not None:
+                stat[:, row] = 0.0
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only the sequences ``rows`` (finished ones leave the batch)."""

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from kvstreams.attention import attention_context
 from kvstreams.engine.cache import SlotCache
+from kvstreams.engine.ops import attend_slots
 from kvstreams.engine.sampling import SamplingParams, sample
 from kvstreams.errors import KVStreamsError
 from kvstreams.models import model_shape
@@ -179,23 +180,17 @@ class DecodeStep:
     ) -> torch.Tensor:
         layer = module.layer_idx
         cache, batch = self.cache, self.batch
-        cache.append(layer, key, value, batch.query_index)
+        cache.write_chunk(layer, key, value, batch.query_index[:, None])
         keys, values, index = cache.keys[layer], cache.values[layer], cache.index[layer]
         live = index >= 0
-        B, H, _, D = query.shape
-        Hkv = keys.shape[1]
-        q = query.float().view(B, Hkv, H // Hkv, D)
-        scores = (q @ keys.float().transpose(-1, -2)) * scale  # [B, Hkv, g, S]
-        scores = scores.masked_fill(~live[:, :, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1)
-        out = (probs @ values.float()).to(query.dtype).reshape(B, 1, H, D)
-        received = None
-        if cache.cumulative is not None:
-            received = probs.sum(dim=2)
-            cache.cumulative[layer] += received
-        if cache.window is not None:
-            received = probs.sum(dim=2) if received is None else received
-            cache.window[layer] += received * self.in_window[:, None, None]
+        out, probs = attend_slots(query, keys, values, live[:, :, None, :], scale)
+        probs = probs[:, :, :, 0]  # one query per sequence: [B, H_kv, group, S]
+        if cache.cumulative is not None or cache.window is not None:
+            received = probs.sum(dim=2)  # attention each entry received from the KV group's heads
+            if cache.cumulative is not None:
+                cache.cumulative[layer] += received
+            if cache.window is not None:
+                cache.window[layer] += received * self.in_window[:, None, None]
         if self.any_evicting:
             policy = self.engine.policy
             view = EntryView(

@@ -1,0 +1,25 @@
+"""Attention over cache slots, shared by every engine step."""
+
+from __future__ import annotations
+
+import torch
+
+
+def attend_slots(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """query [B, H, C, D] over slots keys/values [B, H_kv, S, D] where ``visible`` [B, H_kv, C, S].
+
+    Returns the output [B, C, H, D] (the layout transformers expects from an attention function) and
+    the attention probabilities [B, H_kv, group, C, S] (float32). Computed in float32: slots hold
+    only the entries a query may see, so this costs O(C * S), never O(C * T).
+    """
+    B, H, C, D = query.shape
+    Hkv = keys.shape[1]
+    g, S = H // Hkv, keys.shape[2]
+    q = query.float().reshape(B, Hkv, g * C, D)  # fold the KV group into rows: no K/V copies
+    scores = (q @ keys.float().transpose(-1, -2)).view(B, Hkv, g, C, S) * scale
+    scores = scores.masked_fill(~visible[:, :, None], float("-inf"))
+    probs = scores.softmax(dim=-1)
+    out = probs.view(B, Hkv, g * C, S) @ values.float()  # [B, Hkv, g * C, D]
+    return out.view(B, H, C, D).transpose(1, 2).to(query.dtype), probs
