@@ -1,0 +1,9 @@
+"""Compaction strategies (the KV-streams paper's rollout side), one module each, registered by name.
+
+Ordered by how much context they retain: sliding_window > markovian > summary ~ model_triggered.
+"""
+
+from kvstreams.compaction import markovian, model_triggered, sliding_window, summary  # noqa: F401
+from kvstreams.compaction.base import STRATEGIES, CompactionStrategy, UnitView, make_strategy, register
+
+__all__ = ["STRATEGIES", "CompactionStrategy", "UnitView", "make_strategy", "register"]

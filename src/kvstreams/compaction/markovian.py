@@ -1,0 +1,42 @@
+"""Markovian Thinker: keep the protected head and the last chunk; drop everything between.
+
+Aghajohari et al., 2025, "The Markovian Thinker": the context is reset to the task plus a short
+carry-over chunk, so memory is constant and the agent must carry state in what it writes. Deletes
+in one large stride: everything but the newest ``keep_tokens`` worth of messages (at least the newest
+message is kept).
+
+Defaults: budget 384 tokens, keep_tokens 128.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvstreams.compaction.base import CompactionStrategy, UnitView, register
+from kvstreams.errors import KVStreamsError
+
+
+@register("markovian")
+@dataclass
+class Markovian(CompactionStrategy):
+    keep_tokens: int = 128
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 < self.keep_tokens < self.budget:
+            raise KVStreamsError(
+                f"markovian: keep_tokens ({self.keep_tokens}) must be positive and below the budget ({self.budget}): "
+                "retaining r >= B leaves no room to compact"
+            )
+
+    def units_to_delete(self, head: int, units: list[UnitView], incoming: int) -> int:
+        kept, n_keep = 0, 0
+        for unit in reversed(units):
+            if n_keep and kept + unit.length > self.keep_tokens:
+                break
+            kept += unit.length
+            n_keep += 1
+        return len(units) - n_keep
+
+    def min_retained(self, head: int) -> int:
+        return head + 1

@@ -1,0 +1,34 @@
+"""Sliding window: drop the oldest turns, ``stride`` turns at a time, until the new message fits.
+
+The strategy that retains the most context (r close to B, so re-prefill is at its most expensive:
+N*r/(B-r)). A turn is the model's reply and the environment's answer to it.
+
+Defaults: budget 384 tokens, stride 1 turn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvstreams.compaction.base import CompactionStrategy, UnitView, register
+from kvstreams.errors import KVStreamsError
+
+
+@register("sliding_window")
+@dataclass
+class SlidingWindow(CompactionStrategy):
+    stride: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.stride < 1:
+            raise KVStreamsError(f"sliding_window: stride must be >= 1, got {self.stride}")
+
+    def units_to_delete(self, head: int, units: list[UnitView], incoming: int) -> int:
+        live = head + sum(u.length for u in units)
+        n = 0
+        while n < len(units) - 1 and live + incoming > self.budget:
+            step = min(2 * self.stride, len(units) - 1 - n)  # a turn is two units: reply + answer
+            live -= sum(u.length for u in units[n : n + step])
+            n += step
+        return max(n, 1) if len(units) > 1 else 0

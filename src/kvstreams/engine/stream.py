@@ -1,0 +1,186 @@
+"""A persistent batch of KV streams for multi-turn episodes.
+
+Each row holds one episode's trace: tokens are appended to the row's record (sampled by the model
+or given by the environment) and fed through the model on the next :meth:`StreamSession.forward`,
+as one chunk per row. Chunks attend to the row's live cache slots and causally among themselves;
+their K/V go into free slots. :meth:`StreamSession.evict` deletes a span of the trace in place
+(every layer and head), recording ``death`` = the next query's index; the rest of the cache, and
+every retained entry's original K/V and position, is untouched. :meth:`StreamSession.restart` is
+the standard pipeline's alternative: the row's trace ends and a new one starts from given tokens,
+which are prefilled again with positions from 0.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from kvstreams.attention import attention_context
+from kvstreams.engine.cache import SlotCache
+from kvstreams.engine.ops import attend_slots
+from kvstreams.models import model_shape
+from kvstreams.trace import FORMAT, Trace, compact_death
+
+
+class ChunkStep:
+    """Attention context: write each row's chunk, then attend over live slots up to each query."""
+
+    def __init__(self, cache: SlotCache, write_index: torch.Tensor, query_index: torch.Tensor) -> None:
+        self.cache = cache
+        self.write_index = write_index  # [B, C] trace index of each chunk column, -1 for padding
+        self.query_index = query_index  # [B, C] same, with padding columns seeing everything live
+
+    def attend(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        layer = module.layer_idx
+        cache = self.cache
+        cache.write_chunk(layer, key, value, self.write_index)
+        index = cache.index[layer][:, :, None, :]  # [B, H_kv, 1, S]
+        visible = (index >= 0) & (index <= self.query_index[:, None, :, None])
+        out, _ = attend_slots(query, cache.keys[layer], cache.values[layer], visible, scale)
+        return out
+
+
+@dataclass
+class Record:
+    """The trace being built in one row."""
+
+    tokens: list[int] = field(default_factory=list)
+    sampled: list[bool] = field(default_factory=list)
+    loss: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    fed: int = 0  # tokens already written into the cache (the next query's trace index)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass
+class SessionCounters:
+    tokens_forwarded: int = 0  # tokens fed through the model (chunks and decode steps)
+    tokens_reprefilled: int = 0  # retained tokens fed again after a restart
+    kv_peak_entries: int = 0  # most live entries any row held (per layer and head)
+    kv_peak_bytes: int = 0  # most K/V bytes allocated for the batch
+
+
+class StreamSession:
+    def __init__(self, model, n_rows: int, initial_capacity: int = 256, initial_length: int = 1024) -> None:
+        self.model = model
+        self.shape = model_shape(model)
+        device = next(model.parameters()).device
+        self.device = device
+        self.cache = SlotCache(self.shape, n_rows, initial_capacity, initial_length, model.dtype, device)
+        self.records = [Record() for _ in range(n_rows)]
+        self.policy_version = 0
+        self.counters = SessionCounters(kv_peak_bytes=self.cache.kv_bytes)
+
+    # --- the record ------------------------------------------------------------------------------
+    def append(
+        self,
+        row: int,
+        tokens: list[int],
+        sampled: bool = False,
+        loss: bool = False,
+        logprobs: list[float] | None = None,
+    ) -> tuple[int, int]:
+        """Add tokens to a row's trace (fed on the next forward). Returns their [start, end) indices."""
+        rec = self.records[row]
+        start = len(rec)
+        rec.tokens += tokens
+        rec.sampled += [sampled] * len(tokens)
+        rec.loss += [loss] * len(tokens)
+        rec.logprobs += logprobs if logprobs is not None else [math.nan] * len(tokens)
+        rec.versions += [self.policy_version] * len(tokens)
+        return start, len(rec)
+
+    def length(self, row: int) -> int:
+        return len(self.records[row])
+
+    # --- the model -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, rows: list[int]) -> torch.Tensor:
+        """Feed every row's unfed tokens; returns [len(rows), V] logits after each row's last token.
+
+        Other rows take part as padding (nothing is written for them).
+        """
+        B = len(self.records)
+        chunks = {r: self.records[r].tokens[self.records[r].fed :] for r in rows}
+        if any(len(c) == 0 for c in chunks.values()):
+            raise ValueError("forward() on a row with nothing to feed")
+        C = max(len(c) for c in chunks.values())
+        self.cache.reserve(C)
+        self.cache.reserve_time(max(len(r) for r in self.records))
+        ids = torch.zeros(B, C, dtype=torch.long)
+        write = torch.full((B, C), -1, dtype=torch.long)
+        for r, chunk in chunks.items():
+            start = self.records[r].fed
+            ids[r, : len(chunk)] = torch.tensor(chunk)
+            write[r, : len(chunk)] = torch.arange(start, start + len(chunk))
+        query = torch.where(write >= 0, write, torch.iinfo(torch.long).max)
+        positions = write.clamp(min=0)
+        step = ChunkStep(self.cache, write.to(self.device), query.to(self.device))
+        with attention_context(step):
+            logits = self.model(input_ids=ids.to(self.device), position_ids=positions.to(self.device)).logits
+        last = torch.tensor([len(chunks[r]) - 1 for r in rows], device=self.device)
+        out = logits[torch.tensor(rows, device=self.device), last].float()
+        for r, chunk in chunks.items():
+            self.records[r].fed += len(chunk)
+            self.counters.tokens_forwarded += len(chunk)
+        live = int((self.cache.index[0] >= 0).sum(-1).max())
+        self.counters.kv_peak_entries = max(self.counters.kv_peak_entries, live)
+        self.counters.kv_peak_bytes = max(self.counters.kv_peak_bytes, self.cache.kv_bytes)
+        return out
+
+    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Load new weights in place between steps. The cache is kept (its K/V were computed under the
+        old weights); tokens sampled from now on record ``version``."""
+        self.model.load_state_dict(state_dict, strict=True)
+        self.policy_version = version
+
+    # --- compaction --------------------------------------------------------------------------------
+    def evict(self, row: int, start: int, end: int) -> int:
+        """Delete trace span [start, end) of ``row`` in place; returns how many entries were live.
+
+        The next query (the first unfed token) is the first that cannot see them.
+        """
+        rec = self.records[row]
+        if end > rec.fed:
+            raise ValueError(f"cannot evict [{start}, {end}): only {rec.fed} tokens are in the cache")
+        return self.cache.evict_range(row, start, end, at=rec.fed)
+
+    def live_entries(self, row: int) -> int:
+        return int((self.cache.index[0, row, 0] >= 0).sum())
+
+    def restart(self, row: int, tokens: list[int], meta: dict[str, str]) -> Trace:
+        """End the row's trace (returned) and start a new one holding ``tokens`` as context."""
+        trace = self.trace(row, meta)
+        self.cache.clear_row(row)
+        self.records[row] = Record()
+        self.append(row, tokens)
+        self.counters.tokens_reprefilled += len(tokens)
+        return trace
+
+    def trace(self, row: int, meta: dict[str, str]) -> Trace:
+        rec = self.records[row]
+        T = len(rec)
+        death = self.cache.death[row, :, :, :T].clamp(max=T).cpu()
+        sampled = torch.tensor(rec.sampled, dtype=torch.bool)
+        return Trace(
+            tokens=torch.tensor(rec.tokens, dtype=torch.long),
+            positions=torch.arange(T, dtype=torch.long),
+            death=compact_death(death),
+            sampled_mask=sampled,
+            loss_mask=torch.tensor(rec.loss, dtype=torch.bool),
+            sampler_logprobs=torch.tensor(rec.logprobs, dtype=torch.float32),
+            policy_version=torch.tensor(rec.versions, dtype=torch.int32),
+            metadata={"format": FORMAT, **meta},
+        )

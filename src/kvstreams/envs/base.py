@@ -1,0 +1,86 @@
+"""The environment interface and registry.
+
+An environment speaks chat messages. ``reset(seed)`` returns the opening messages (system + task:
+the protected head of the context); ``step(reply)`` takes the model's reply text and returns
+``(observation messages, reward, done, info)``. Rewards of an episode sum to a number in [0, 1].
+Adding an environment is one file::
+
+    @register("my_env")
+    @dataclass
+    class MyEnv(Environment):
+        '''What the agent must do.'''
+        def reset(self, seed): ...
+        def step(self, reply): ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple
+
+from kvstreams.errors import KVStreamsError
+
+Message = dict[str, str]
+
+
+class StepResult(NamedTuple):
+    messages: list[Message]
+    reward: float
+    done: bool
+    info: dict[str, Any]
+
+
+@dataclass
+class Environment:
+    name: ClassVar[str] = "base"
+    #: the most replies an episode may take before it is cut off (reward 0 for what is missing)
+    max_turns: int = 32
+
+    def reset(self, seed: int) -> list[Message]:
+        raise NotImplementedError
+
+    def step(self, reply: str) -> StepResult:
+        raise NotImplementedError
+
+    def expert_reply(self) -> str:
+        """What an expert would reply now (for demonstrations); environments without one raise."""
+        raise NotImplementedError(f"environment {self.name!r} has no expert")
+
+    def close(self) -> None:
+        return None
+
+
+ENVIRONMENTS: dict[str, type[Environment]] = {}
+
+
+def register(name: str):
+    def wrap(cls: type[Environment]) -> type[Environment]:
+        cls.name = name
+        ENVIRONMENTS[name] = cls
+        return cls
+
+    return wrap
+
+
+def make_env(name: str, **kwargs: Any) -> Environment:
+    if name not in ENVIRONMENTS:
+        raise KVStreamsError(f"unknown environment {name!r}; available: {', '.join(sorted(ENVIRONMENTS))}")
+    cls = ENVIRONMENTS[name]
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(kwargs) - fields)
+    if unknown:
+        raise KVStreamsError(
+            f"environment {name!r} has no option(s) {', '.join(unknown)}; it takes {', '.join(sorted(fields))}"
+        )
+    return cls(**kwargs)
+
+
+_ACTION = re.compile(r"<action>(.*?)</action>", re.DOTALL)
+
+
+def parse_action(reply: str) -> str | None:
+    """The text inside the last ``<action>...</action>`` of a reply, or None."""
+    found = _ACTION.findall(reply)
+    return found[-1].strip() if found else None

@@ -1,0 +1,86 @@
+"""Memory: facts revealed at the start are asked for at the end, many turns later.
+
+The KV-streams paper's "pseudo-recurrent" setting: once compaction deletes the opening message's
+facts from the context, only an agent that carries them forward in its own replies (or summaries)
+can still answer. Each reply should be ``<state>...</state><action>...</action>``; the final
+question is answered inside ``<action>``.
+
+Knobs: ``n_facts`` (how much to remember), ``n_turns`` (distractor turns before the question),
+``noise_words`` (length of each distractor observation). Reward: the fraction of facts answered
+correctly, given at the end. ``expert_reply`` carries the facts in every reply, so its demonstrations
+teach exactly that habit.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass, field
+
+from kvstreams.envs.base import Environment, Message, StepResult, parse_action, register
+from kvstreams.models import WORDS
+
+FACT_KINDS = ("code", "color", "room", "number", "name")
+COLORS = ("red", "blue", "green", "yellow", "black", "white")
+ROOMS = ("kitchen", "garden", "hall", "north", "south", "east")
+NAMES = ("apple", "book", "lamp", "coin", "map", "note")
+
+
+@register("memory")
+@dataclass
+class MemoryEnv(Environment):
+    n_facts: int = 2
+    n_turns: int = 10
+    noise_words: int = 24
+    max_turns: int = 32
+    _facts: dict[str, str] = field(default_factory=dict, init=False, repr=False)
+    _turn: int = field(default=0, init=False, repr=False)
+    _rng: random.Random = field(default_factory=random.Random, init=False, repr=False)
+
+    def _fact_value(self, kind: str) -> str:
+        if kind == "code":
+            return str(self._rng.randint(1000, 9999))
+        if kind == "number":
+            return str(self._rng.randint(10, 99))
+        return self._rng.choice({"color": COLORS, "room": ROOMS, "name": NAMES}[kind])
+
+    def state_text(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self._facts.items())
+
+    def reset(self, seed: int) -> list[Message]:
+        self._rng = random.Random(seed)
+        kinds = FACT_KINDS[: max(1, min(self.n_facts, len(FACT_KINDS)))]
+        self._facts = {k: self._fact_value(k) for k in kinds}
+        self._turn = 0
+        facts = ". ".join(f"the {k} is {v}" for k, v in self._facts.items())
+        return [
+            {
+                "role": "system",
+                "content": "You are an agent with a short memory. Reply with <state>what you "
+                "must remember</state><action>your action</action>.",
+            },
+            {"role": "user", "content": f"Remember: {facts}. You will be asked later."},
+        ]
+
+    def _observation(self) -> str:
+        if self._turn >= self.n_turns:
+            keys = " ".join(self._facts)
+            return f"Final question: what is the {keys}? Answer <action>{' '.join(k + '=?' for k in self._facts)}</action>."
+        noise = " ".join(self._rng.choice(WORDS) for _ in range(self.noise_words))
+        return f"Turn {self._turn}. {noise}. Reply <action>ok</action>."
+
+    def step(self, reply: str) -> StepResult:
+        if self._turn >= self.n_turns:  # this reply answers the final question
+            answer = parse_action(reply) or ""
+            given = dict(re.findall(r"(\w+)\s*=\s*(\w+)", answer))
+            correct = sum(given.get(k) == v for k, v in self._facts.items())
+            return StepResult(
+                [], correct / len(self._facts), True, {"correct": correct, "facts": len(self._facts)}
+            )
+        self._turn += 1
+        return StepResult([{"role": "user", "content": self._observation()}], 0.0, False, {})
+
+    def expert_reply(self) -> str:
+        if self._turn >= self.n_turns:
+            return f"<state>{self.state_text()}</state><action>{self.state_text()}</action>"
+        return f"<state>{self.state_text()}</state><action>ok</action>"

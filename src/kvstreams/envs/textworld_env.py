@@ -1,0 +1,144 @@
+"""TextWorld: real text games, generated offline with the ``textworld`` package.
+
+Côté et al., 2018, "TextWorld: A Learning Environment for Text-based Games"; the KV-streams paper's
+main agentic benchmark. Games are made with ``textworld.make`` (what ``tw-make custom`` runs; the
+Inform 7 compiler ships inside the wheel), seeded, into a cache directory, so the same seed is the
+same game. Observations are user messages; the agent replies ``<action>command</action>``. A reply
+without a parsable action is sent as it is (the game answers "That's not a verb I recognise.");
+nothing the agent says crashes an episode. Reward: score gained / max score at every step.
+
+Knobs: ``world_size`` (rooms), ``nb_objects``, ``quest_length``, ``max_turns`` (step limit).
+``expert_reply`` follows the game's walkthrough.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvstreams.envs.base import Environment, Message, StepResult, parse_action, register
+from kvstreams.errors import KVStreamsError
+
+_STATUS = re.compile(r"\n?>\s*-= .*? =-\s*\d+/\d+\s*$", re.DOTALL)
+_MAKE_LOCK = threading.Lock()
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("KVSTREAMS_CACHE", Path.home() / ".cache" / "kvstreams")) / "textworld"
+
+
+def clean_observation(text: str) -> str:
+    """Drop the engine's status line and the start banner; squeeze blank lines."""
+    text = _STATUS.sub("", text)
+    lines = text.splitlines()
+    art = [i for i, line in enumerate(lines) if "$$" in line]  # the "TEXTWORLD" ASCII-art banner
+    if art:
+        text = "\n".join(lines[art[-1] + 1 :])
+    text = re.sub(r"\n\s*\n+", "\n", text).strip()
+    return text.rstrip(">").strip()
+
+
+@register("textworld")
+@dataclass
+class TextWorldEnv(Environment):
+    world_size: int = 3
+    nb_objects: int = 6
+    quest_length: int = 3
+    max_turns: int = 24
+    cache_dir: str = ""
+    _env: Any = field(default=None, init=False, repr=False)
+    _walkthrough: list[str] = field(default_factory=list, init=False, repr=False)
+    _max_score: float = field(default=1.0, init=False, repr=False)
+    _score: float = field(default=0.0, init=False, repr=False)
+    _steps: int = field(default=0, init=False, repr=False)
+
+    def game_path(self, seed: int) -> Path:
+        root = Path(self.cache_dir) if self.cache_dir else default_cache_dir()
+        name = f"w{self.world_size}-o{self.nb_objects}-q{self.quest_length}-s{seed}.z8"
+        return root / name
+
+    def make_game(self, seed: int) -> Path:
+        """Generate the game for ``seed`` unless it is cached (about 1-2 s per game)."""
+        path = self.game_path(seed)
+        if path.is_file() and path.with_suffix(".json").is_file():
+            return path
+        try:
+            import textworld
+        except ImportError:
+            raise KVStreamsError(
+                "the textworld environment needs the `textworld` package (pip install textworld)"
+            ) from None
+        path.parent.mkdir(parents=True, exist_ok=True)
+        options = textworld.GameOptions()
+        options.seeds = seed
+        options.nb_rooms = self.world_size
+        options.nb_objects = self.nb_objects
+        options.quest_length = self.quest_length
+        options.path = str(path)
+        options.force_recompile = True
+        with _MAKE_LOCK:
+            home = os.environ.get("HOME")
+            os.environ["HOME"] = str(
+                path.parent
+            )  # the Inform 7 compiler writes ~/Inform; keep it in the cache
+            try:
+                textworld.make(options)
+            finally:
+                if home is None:
+                    os.environ.pop("HOME", None)
+                else:
+                    os.environ["HOME"] = home
+        return path
+
+    def reset(self, seed: int) -> list[Message]:
+        import textworld
+
+        self.close()
+        path = self.make_game(seed)
+        infos = textworld.EnvInfos(max_score=True, won=True, lost=True, extras=["walkthrough"])
+        self._env = textworld.start(str(path), request_infos=infos)
+        state = self._env.reset()
+        self._walkthrough = list(state.get("extra.walkthrough") or [])
+        self._max_score = float(state.get("max_score") or 1.0)
+        self._score = 0.0
+        self._steps = 0
+        return [
+            {
+                "role": "system",
+                "content": "You play a text adventure. Reply with <action>a command</action>, "
+                "e.g. <action>go north</action> or <action>take key</action>.",
+            },
+            {"role": "user", "content": clean_observation(state.feedback)},
+        ]
+
+    def step(self, reply: str) -> StepResult:
+        if self._env is None:
+            raise RuntimeError("step() before reset()")
+        command = parse_action(reply)
+        state, score, done = self._env.step(command if command is not None else reply.strip())
+        self._steps += 1
+        reward = (float(score) - self._score) / self._max_score
+        self._score = float(score)
+        info = {"score": self._score, "max_score": self._max_score, "won": bool(state.get("won"))}
+        if done:
+            return StepResult([], reward, True, info)
+        return StepResult(
+            [{"role": "user", "content": clean_observation(state.feedback) or "Nothing happens."}],
+            reward,
+            False,
+            info,
+        )
+
+    def expert_reply(self) -> str:
+        if self._steps < len(self._walkthrough):
+            return f"<action>{self._walkthrough[self._steps]}</action>"
+        return "<action>look</action>"
+
+    def close(self) -> None:
+        if self._env is not None:
+            self._env.close()
+            self._env = None

@@ -1,0 +1,446 @@
+"""Multi-turn agent episodes with context compaction, in three modes.
+
+The environment and the model take turns; every message is a *unit* of the episode's context (the
+protected head, the model's replies, the environment's answers, compaction instructions and
+bridges). When the strategy fires, the oldest live units after the head are deleted:
+
+- ``stream``: the engine evicts their KV entries in place; the episode stays ONE trace whose
+  ``death`` record hides the span from then on; nothing is prefilled again.
+- ``reprefill``: the standard pipeline; the trace ends and a new one starts from the retained
+  tokens (positions from 0), which are prefilled again. An episode becomes several segments.
+- ``full``: no compaction (the reference).
+
+Episodes run in lockstep batches: all of them generate a reply at once (batched decode), then each
+gets its environment step; an environment that raises, or an episode that exceeds its limits, ends
+that episode with reward 0 and a reason, and the batch goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from kvstreams.chat import ChatFormat
+from kvstreams.compaction import CompactionStrategy, UnitView
+from kvstreams.engine.sampling import SamplingParams, sample
+from kvstreams.engine.stream import StreamSession
+from kvstreams.envs.base import Environment
+from kvstreams.errors import KVStreamsError
+from kvstreams.trace import Trace
+
+Mode = Literal["stream", "reprefill", "full"]
+MODES = ("stream", "reprefill", "full")
+
+
+@dataclass
+class Unit:
+    kind: str  # head | assistant | env | instruction | bridge
+    start: int  # [start, end) in the row's current trace
+    end: int
+    live: bool = True
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class Episode:
+    index: int
+    seed: int
+    env: Environment
+    generator: torch.Generator
+    units: list[Unit] = field(default_factory=list)
+    phase: str = "act"  # act: the reply is an action; bridge: the reply is a compaction bridge
+    bridge_from: int = 0  # where the bridge starts in the current reply unit
+    pending: list[int] | None = None  # environment tokens waiting for a compaction to finish
+    trigger: str = ""
+    reply: list[int] = field(default_factory=list)
+    reward: float = 0.0
+    turns: int = 0
+    turns_since_compaction: int = 0
+    done: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+    compactions: list[dict[str, Any]] = field(default_factory=list)
+    segments: list[Trace] = field(default_factory=list)
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def live_tokens(self) -> int:
+        return sum(u.length for u in self.units if u.live)
+
+
+@dataclass
+class RolloutStats:
+    """What a batch of episodes cost. Keys match ``summary.json``."""
+
+    episodes: int = 0
+    tokens_forwarded: int = 0
+    tokens_reprefilled: int = 0
+    tokens_filler: int = 0
+    tokens_trace: int = 0
+    kv_peak_entries: int = 0
+    kv_peak_bytes: int = 0
+    compactions: int = 0
+    retained_mean: float = 0.0  # r: live tokens right after a compaction
+    context_at_compaction_mean: float = 0.0  # B as it happened: live tokens when a compaction fired
+    tokens_reprefilled_predicted: float = 0.0  # N * r / (B - r), N = tokens_forwarded - tokens_reprefilled
+    reward_mean: float = 0.0
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def reprefill_closed_form(new_tokens: float, retained: float, budget: float) -> float:
+    """The KV-streams paper's extra prefill of re-prefill compaction: N * r / (B - r)."""
+    if retained >= budget:
+        raise KVStreamsError(
+            f"retained r = {retained:.0f} >= budget B = {budget:.0f}: re-prefill cost diverges"
+        )
+    return new_tokens * retained / (budget - retained)
+
+
+@dataclass
+class EpisodeResult:
+    episode: int
+    seed: int
+    reward: float
+    traces: list[Trace]  # one in stream/full mode; the segments in reprefill mode
+    info: dict[str, Any]
+    compactions: list[dict[str, Any]]
+
+
+class EpisodeRunner:
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        strategy: CompactionStrategy | None,
+        mode: Mode = "stream",
+        sampling: SamplingParams | None = None,
+        block_size: int = 1,
+        max_reply_tokens: int = 64,
+        max_episode_tokens: int = 32768,
+        episode_timeout_s: float = 600.0,
+        model_name: str = "",
+    ) -> None:
+        if mode not in MODES:
+            raise KVStreamsError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+        if mode != "full" and strategy is None:
+            raise KVStreamsError(f"mode {mode!r} needs a compaction strategy")
+        if block_size < 1:
+            raise KVStreamsError(f"block_size must be >= 1, got {block_size}")
+        if max_reply_tokens < 1:
+            raise KVStreamsError(f"max_reply_tokens must be >= 1, got {max_reply_tokens}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.chat = ChatFormat(tokenizer)
+        self.strategy = strategy
+        self.mode = mode
+        self.sampling = sampling or SamplingParams()
+        self.block_size = block_size
+        self.max_reply_tokens = max_reply_tokens
+        self.max_episode_tokens = max_episode_tokens
+        self.episode_timeout_s = episode_timeout_s
+        self.model_name = model_name or str(getattr(model.config, "_name_or_path", ""))
+        self.filler = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.chat.end_of_turn
+        self.header = self.chat.assistant_header()
+        self.marker_tokens: list[int] = []
+        if strategy is not None and strategy.bridge == "marker":
+            self.marker_tokens = self.chat.encode(strategy.marker)  # type: ignore[attr-defined]
+        self.session: StreamSession | None = None
+        self.tokens_filler = 0
+
+    # --- the batch loop ----------------------------------------------------------------------------
+    def run(
+        self,
+        envs: Sequence[Environment],
+        seeds: Sequence[int],
+        on_step: Callable[[int, StreamSession], None] | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> tuple[list[EpisodeResult], RolloutStats]:
+        """Run one episode per (environment, seed), all batched together."""
+        if len(envs) != len(seeds) or not envs:
+            raise KVStreamsError("need one seed per environment, and at least one episode")
+        start = time.perf_counter()
+        self.session = session = StreamSession(self.model, len(envs))
+        self.tokens_filler = 0
+        episodes = [
+            Episode(i, s, env, torch.Generator().manual_seed(self.sampling.seed * 1_000_003 + s))
+            for i, (env, s) in enumerate(zip(envs, seeds, strict=True))
+        ]
+        for ep in episodes:
+            try:
+                messages = ep.env.reset(ep.seed)
+            except Exception as err:  # an environment failing must not take the batch down
+                self._finish(ep, reason=f"reset raised {type(err).__name__}: {err}")
+                continue
+            head = self.chat.head(messages)
+            if self.strategy is not None and self.mode != "full":
+                self.strategy.check(len(head) + self.block_size - 1)
+            self._add_unit(ep, "head", head)
+            self._start_reply(ep)
+
+        active = [ep for ep in episodes if not ep.done]
+        logits = (
+            dict(zip((ep.index for ep in active), session.forward([ep.index for ep in active]), strict=True))
+            if active
+            else {}
+        )
+        step_no = 0
+        while active:
+            generating = list(active)
+            for ep in generating:
+                ep.reply = []
+            while generating:
+                still = []
+                for ep in generating:
+                    token, logprob = sample(logits[ep.index][None], self.sampling, ep.generator)
+                    tok = int(token)
+                    session.append(ep.index, [tok], sampled=True, loss=True, logprobs=[float(logprob)])
+                    ep.reply.append(tok)
+                    limit = self.max_reply_tokens if ep.phase == "act" else self._max_bridge()
+                    if tok == self.chat.end_of_turn:
+                        continue
+                    if len(ep.reply) >= limit:  # cut off: close the turn for the model
+                        session.append(ep.index, [self.chat.end_of_turn])
+                        continue
+                    still.append(ep)
+                generating = still
+                step_no += 1
+                if progress is not None:
+                    progress(1)
+                if on_step is not None:
+                    on_step(step_no, session)
+                if generating:
+                    out = session.forward([ep.index for ep in generating])
+                    logits.update(zip((ep.index for ep in generating), out, strict=True))
+            for ep in active:
+                self._handle_reply(ep)
+            active = [ep for ep in active if not ep.done]
+            if active:
+                out = session.forward([ep.index for ep in active])
+                logits = dict(zip((ep.index for ep in active), out, strict=True))
+
+        results = [
+            EpisodeResult(ep.index, ep.seed, ep.reward, ep.segments, ep.info, ep.compactions)
+            for ep in episodes
+        ]
+        return results, self._stats(episodes, time.perf_counter() - start)
+
+    def _max_bridge(self) -> int:
+        return int(getattr(self.strategy, "max_bridge_tokens", self.max_reply_tokens))
+
+    # --- units ------------------------------------------------------------------------------------
+    def _add_unit(self, ep: Episode, kind: str, tokens: list[int]) -> Unit:
+        assert self.session is not None
+        start, end = self.session.append(ep.index, tokens)
+        unit = Unit(kind, start, end)
+        ep.units.append(unit)
+        self._fill(ep, unit)
+        return unit
+
+    def _fill(self, ep: Episode, unit: Unit) -> None:
+        """Pad the unit to a block boundary (engines with B-token cache blocks evict whole blocks)."""
+        assert self.session is not None
+        n = -self.session.length(ep.index) % self.block_size
+        if n:
+            self.session.append(ep.index, [self.filler] * n)
+            unit.end += n
+            self.tokens_filler += n
+
+    def _start_reply(self, ep: Episode, forced: list[int] | None = None) -> None:
+        assert self.session is not None
+        start, _ = self.session.append(ep.index, self.header + (forced or []))
+        ep.units.append(Unit("assistant", start, start))  # grows as the model writes
+        ep.bridge_from = start if not forced else start + len(self.header) + len(forced)
+
+    def _close_reply(self, ep: Episode) -> Unit:
+        assert self.session is not None
+        unit = ep.units[-1]
+        unit.end = self.session.length(ep.index)
+        self._fill(ep, unit)
+        return unit
+
+    # --- one reply ----------------------------------------------------------------------------------
+    def _handle_reply(self, ep: Episode) -> None:
+        assert self.session is not None
+        reply = self._close_reply(ep)
+        text = self.chat.decode([t for t in ep.reply if t != self.chat.end_of_turn])
+        if ep.phase == "bridge":
+            self._compact(ep, bridge_from=ep.bridge_from, trigger=ep.trigger)
+            ep.phase = "act"
+            self._continue(ep, ep.pending or [])
+            ep.pending = None
+            return
+        if self.mode != "full" and self.marker_tokens:
+            marker_end = self._marker_end(ep, reply)
+            if marker_end is not None:  # the model decided to compact: this reply is a bridge
+                self._compact(ep, bridge_from=marker_end, trigger="model")
+                self._start_reply(ep)
+                return
+        try:
+            messages, reward, done, info = ep.env.step(text)
+        except Exception as err:
+            self._finish(ep, reason=f"step raised {type(err).__name__}: {err}", failed=True)
+            return
+        ep.reward += float(reward)
+        ep.turns += 1
+        ep.turns_since_compaction += 1
+        ep.info.update(info)
+        if done:
+            self._finish(ep, reason="done")
+            return
+        if ep.turns >= ep.env.max_turns:
+            self._finish(ep, reason="max_turns")
+            return
+        if self.session.length(ep.index) > self.max_episode_tokens:
+            self._finish(ep, reason="max_episode_tokens", failed=True)
+            return
+        if time.perf_counter() - ep.started > self.episode_timeout_s:
+            self._finish(ep, reason="timeout", failed=True)
+            return
+        incoming = self.chat.after_reply(messages)
+        if self.mode != "full" and self.strategy is not None:
+            need = len(incoming) + len(self.header) + 2 * (self.block_size - 1)
+            trigger = self.strategy.trigger(ep.live_tokens, need, ep.turns_since_compaction)
+            if trigger is not None:
+                if self.strategy.bridge is not None:
+                    ep.phase, ep.pending, ep.trigger = "bridge", incoming, trigger
+                    if self.strategy.bridge == "instruction":
+                        instruction = self.chat.after_reply(
+                            [{"role": "user", "content": self.strategy.instruction}]  # type: ignore[attr-defined]
+                        )
+                        self._add_unit(ep, "instruction", instruction)
+                        self._start_reply(ep)
+                    else:  # the model did not compact in time: write its marker for it
+                        self._start_reply(ep, forced=self.marker_tokens)
+                    return
+                live = [u for u in ep.units if u.live]
+                head = sum(u.length for u in live if u.kind == "head")
+                views = [UnitView(u.kind, u.length) for u in live if u.kind != "head"]
+                n = self.strategy.units_to_delete(head, views, need)
+                self._compact(ep, n_delete=n, trigger=trigger)
+        self._continue(ep, incoming)
+
+    def _continue(self, ep: Episode, incoming: list[int]) -> None:
+        if incoming:
+            self._add_unit(ep, "env", incoming)
+        self._start_reply(ep)
+
+    def _marker_end(self, ep: Episode, reply: Unit) -> int | None:
+        """Trace index right after the marker in the reply, if the model wrote one."""
+        marker = self.strategy.marker  # type: ignore[union-attr]
+        tokens = ep.reply
+        if marker not in self.chat.decode(tokens):
+            return None
+        for i in range(1, len(tokens) + 1):
+            if marker in self.chat.decode(tokens[:i]):
+                return reply.start + len(self.header) + i
+        return None
+
+    # --- compaction ---------------------------------------------------------------------------------
+    def _compact(self, ep: Episode, trigger: str, n_delete: int = 0, bridge_from: int | None = None) -> None:
+        """Delete the oldest live units after the head: ``n_delete`` of them, or, with a bridge, everything
+        before ``bridge_from`` (splitting the reply unit that holds the bridge)."""
+        assert self.session is not None and self.strategy is not None
+        session, row = self.session, ep.index
+        live_before = ep.live_tokens  # the context at its peak: B in the closed form N * r / (B - r)
+        live = [u for u in ep.units if u.live and u.kind != "head"]
+        bridge: Unit | None = None
+        if bridge_from is not None:
+            last = ep.units[-1]
+            bridge = Unit("bridge", bridge_from, last.end)
+            last.end = bridge_from
+            ep.units.append(bridge)
+            doomed = [u for u in live if u.length > 0]
+        else:
+            doomed = live[:n_delete]
+        deleted = [[u.start, u.end] for u in doomed]
+        for u in doomed:
+            u.live = False
+        event: dict[str, Any] = {
+            "kind": self.strategy.name,
+            "trigger": trigger,
+            "step": ep.turns,
+            "deleted": deleted,
+            "bridge": [bridge.start, bridge.end] if bridge else None,
+            "live_before": live_before,
+        }
+        if self.mode == "stream":
+            if deleted and max(end for _, end in deleted) > session.records[row].fed:
+                session.forward([row])  # the span's last tokens are not in the cache yet: write them first
+            for start, end in deleted:
+                session.evict(row, start, end)
+            event["retained"] = ep.live_tokens
+        else:  # reprefill: this trace ends; a new one starts from what is kept
+            kept = [u for u in ep.units if u.live and u.length > 0]
+            tokens = session.records[row].tokens
+            retained = [t for u in kept for t in tokens[u.start : u.end]]
+            event["retained"] = len(retained)
+            ep.segments.append(session.restart(row, retained, self._meta(ep, events=[event])))
+            offset = 0
+            for u in kept:
+                u.start, u.end, offset = offset, offset + u.length, offset + u.length
+            ep.units = kept
+        ep.compactions.append(event)
+        ep.turns_since_compaction = 0
+
+    # --- endings --------------------------------------------------------------------------------
+    def _finish(self, ep: Episode, reason: str, failed: bool = False) -> None:
+        ep.done = True
+        ep.info["end"] = reason
+        if failed or reason.startswith("reset"):
+            ep.reward = 0.0
+        if self.session is not None and self.session.length(ep.index) > 0:
+            events = ep.compactions if self.mode == "stream" else []
+            ep.segments.append(self.session.trace(ep.index, self._meta(ep, events=events)))
+
+    def _meta(self, ep: Episode, events: list[dict[str, Any]]) -> dict[str, str]:
+        return {
+            "temperature": str(self.sampling.temperature),
+            "policy": "full",
+            "mode": self.mode,
+            "model": self.model_name,
+            "env": ep.env.name,
+            "strategy": self.strategy.name if self.strategy is not None else "none",
+            "strategy_config": json.dumps(self.strategy.describe() if self.strategy is not None else {}),
+            "episode": str(ep.index),
+            "seed": str(ep.seed),
+            "segment": str(len(ep.segments)),
+            "block_size": str(self.block_size),
+            "events": json.dumps(events),
+        }
+
+    def _stats(self, episodes: list[Episode], seconds: float) -> RolloutStats:
+        assert self.session is not None
+        c = self.session.counters
+        events = [e for ep in episodes for e in ep.compactions]
+        stats = RolloutStats(
+            episodes=len(episodes),
+            tokens_forwarded=c.tokens_forwarded,
+            tokens_reprefilled=c.tokens_reprefilled,
+            tokens_filler=self.tokens_filler,
+            tokens_trace=sum(len(t) for ep in episodes for t in ep.segments),
+            kv_peak_entries=c.kv_peak_entries,
+            kv_peak_bytes=c.kv_peak_bytes,
+            compactions=len(events),
+            reward_mean=sum(ep.reward for ep in episodes) / len(episodes),
+            seconds=round(seconds, 3),
+        )
+        if events:
+            stats.retained_mean = sum(e["retained"] for e in events) / len(events)
+            stats.context_at_compaction_mean = sum(e["live_before"] for e in events) / len(events)
+            if stats.retained_mean < stats.context_at_compaction_mean:
+                stats.tokens_reprefilled_predicted = reprefill_closed_form(
+                    c.tokens_forwarded - c.tokens_reprefilled,
+                    stats.retained_mean,
+                    stats.context_at_compaction_mean,
+                )
+        return stats
