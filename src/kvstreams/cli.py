@@ -46,11 +46,11 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
-def _policy_args(pairs: Sequence[str]) -> dict[str, object]:
+def _policy_args(pairs: Sequence[str], flag: str = "--policy-arg") -> dict[str, object]:
     out: dict[str, object] = {}
     for pair in pairs:
         if "=" not in pair:
-            raise KVStreamsError(f"--policy-arg takes key=value, got {pair!r}")
+            raise KVStreamsError(f"{flag} takes key=value, got {pair!r}")
         key, raw = pair.split("=", 1)
         value: object = raw
         for kind in (int, float):
@@ -108,6 +108,44 @@ def _add_sampling_args(p: argparse.ArgumentParser, episodes: int, prompt_len: in
     p.add_argument("--seed", type=int, default=0)
 
 
+def _add_episode_args(p: argparse.ArgumentParser, repeat_strategy: bool = False) -> None:
+    from kvstreams.compaction import STRATEGIES
+    from kvstreams.envs import ENVIRONMENTS
+    from kvstreams.episodes import MODES
+
+    g = p.add_argument_group("environments and compaction (multi-turn episodes)")
+    g.add_argument("--env", default=None, help=f"environment, one of: {', '.join(sorted(ENVIRONMENTS))}")
+    g.add_argument(
+        "--env-arg", action="append", default=[], metavar="KEY=VALUE", help="environment option (repeatable)"
+    )
+    g.add_argument(
+        "--strategy",
+        action="append" if repeat_strategy else "store",
+        default=None,
+        help=f"compaction strategy, one of: {', '.join(sorted(STRATEGIES))}"
+        + (" (repeatable)" if repeat_strategy else ""),
+    )
+    if not repeat_strategy:
+        g.add_argument(
+            "--mode", default=None, choices=list(MODES), help="stream (default), reprefill or full"
+        )
+    g.add_argument(
+        "--compact-budget", type=_positive(int), default=None, help="token budget B of the strategy"
+    )
+    g.add_argument("--turn-budget", type=int, default=None, help="also compact every N turns")
+    g.add_argument(
+        "--strategy-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="strategy option (repeatable)",
+    )
+    g.add_argument(
+        "--block-size", type=_positive(int), default=1, help="pad turns to blocks of this many tokens"
+    )
+    g.add_argument("--max-reply-tokens", type=_positive(int), default=64, help="longest model reply per turn")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvstreams.models import ARCHS
     from kvstreams.policies import POLICIES
@@ -132,21 +170,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab", type=_positive(int), default=512)
     p.add_argument("--seed", type=int, default=0)
 
-    p = sub.add_parser("rollout", help="sample sequences with an eviction policy; write one trace file each")
+    p = sub.add_parser(
+        "rollout",
+        help="sample with an eviction policy (single turn) or run multi-turn episodes with a compaction "
+        "strategy; write one trace file per sequence and summary.json",
+    )
     _add_model_args(p)
-    p.add_argument("--policy", default="snapkv", help=f"one of: {', '.join(sorted(POLICIES))}")
+    p.add_argument(
+        "--policy",
+        default=None,
+        help=f"eviction policy, one of: {', '.join(sorted(POLICIES))} (default snapkv)",
+    )
     _add_sampling_args(p, episodes=4, prompt_len=128, new_tokens=384)
-    p.add_argument("--out", required=True, help="directory for trace-*.safetensors and summary.json")
+    _add_episode_args(p)
+    p.add_argument("--out", required=True, help="directory for the trace files and summary.json")
 
-    p = sub.add_parser("verify", help="sample, replay, and compare sampler and learner log-probs per policy")
+    p = sub.add_parser(
+        "verify", help="sample, replay, and compare sampler and learner log-probs per policy or strategy"
+    )
     _add_model_args(p)
     p.add_argument(
         "--policy",
         action="append",
         default=None,
-        help="policy to check (repeatable); default: every registered policy",
+        help="eviction policy to check (repeatable); default: every registered policy",
     )
     _add_sampling_args(p, episodes=3, prompt_len=64, new_tokens=448)
+    _add_episode_args(p, repeat_strategy=True)
     p.add_argument("--backend", default="sdpa", choices=["sdpa", "flex"])
     p.add_argument("--json", default=None, help="write the reports to this JSON file")
     p.set_defaults(no_stop=True)  # verification wants full-length sequences, whatever the model's EOS habits
@@ -157,14 +207,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _console():
-    """A console at least 120 columns wide: tables stay readable when output is piped or captured."""
+    """A console at least 132 columns wide: tables stay readable when output is piped or captured."""
     from rich.console import Console
 
-    return Console(width=max(Console().width, 120))
+    return Console(width=max(Console().width, 132))
 
 
 @contextmanager
-def _progress(description: str, total: int):
+def _progress(description: str, total: int | None):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     with Progress(
@@ -235,18 +285,69 @@ def cmd_tiny_model(args) -> int:
     return 0
 
 
+def _strategy(name: str, args):
+    from kvstreams.compaction import make_strategy
+
+    options = _policy_args(args.strategy_arg, "--strategy-arg")
+    if args.compact_budget is not None:
+        options["budget"] = args.compact_budget
+    if args.turn_budget is not None:
+        options["turn_budget"] = args.turn_budget
+    return make_strategy(name, **options)
+
+
+def _envs(args, n: int):
+    from kvstreams.envs import make_env
+
+    name = args.env or "memory"
+    options = _policy_args(args.env_arg, "--env-arg")
+    return [make_env(name, **options) for _ in range(n)]
+
+
+def _runner_options(args) -> dict:
+    return {
+        "block_size": args.block_size,
+        "max_reply_tokens": args.max_reply_tokens,
+        "model_name": str(args.model),
+    }
+
+
+def _env_prompts(args, tokenizer):
+    """Single-turn prompts from an environment: its opening messages and the assistant header."""
+    from kvstreams.chat import ChatFormat
+
+    chat = ChatFormat(tokenizer)
+    envs = _envs(args, args.episodes)
+    prompts = [chat.head(env.reset(args.seed + i)) + chat.assistant_header() for i, env in enumerate(envs)]
+    return envs, prompts, chat
+
+
 def cmd_rollout(args) -> int:
+    if args.strategy or args.mode:
+        return _rollout_episodes(args)
+    return _rollout_policy(args)
+
+
+def _check_out(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise KVStreamsError(f"--out {str(out)!r} exists and is not a directory")
+
+
+def _rollout_policy(args) -> int:
     from kvstreams.atomic import write_json
     from kvstreams.engine import RolloutEngine
     from kvstreams.prompts import synthetic_prompts
 
-    policy = _policy(args.policy, args)
+    policy = _policy(args.policy or "snapkv", args)
     out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise KVStreamsError(f"--out {str(out)!r} exists and is not a directory")
+    _check_out(out)
     model, tokenizer = _load(args)
     params = _sampling_params(args, tokenizer)
-    prompts = synthetic_prompts(tokenizer, args.episodes, args.prompt_len, seed=args.seed)
+    envs, chat = None, None
+    if args.env:
+        envs, prompts, chat = _env_prompts(args, tokenizer)
+    else:
+        prompts = synthetic_prompts(tokenizer, args.episodes, args.prompt_len, seed=args.seed)
     engine = RolloutEngine(model, tokenizer, policy, model_name=str(args.model))
     traces, events, start = [], [], time.perf_counter()
     n_batches = -(-len(prompts) // args.batch_size)
@@ -256,16 +357,25 @@ def cmd_rollout(args) -> int:
             traces += engine.generate(prompts[i : i + args.batch_size], batch_params, progress=advance)
             events += engine.last_stats.eviction_events
     seconds = time.perf_counter() - start
+    rewards = None
+    if envs is not None and chat is not None:
+        rewards = []
+        for env, trace in zip(envs, traces, strict=True):
+            reply = trace.tokens[trace.sampled_mask].tolist()
+            rewards.append(float(env.step(chat.decode(reply)).reward))
     paths = [trace.save(out / f"trace-{i:05d}.safetensors") for i, trace in enumerate(traces)]
     summary = {
         "policy": policy.describe(),
         "model": str(args.model),
+        "env": args.env,
         "episodes": len(traces),
         "tokens_trace": sum(len(t) for t in traces),
         "tokens_sampled": sum(int(t.sampled_mask.sum()) for t in traces),
         "eviction_events": events,
         "budget_entries": engine.last_stats.budgets,
         "kv_capacity_entries": engine.last_stats.kv_capacity,
+        "rewards": rewards,
+        "reward_mean": None if rewards is None else sum(rewards) / len(rewards),
         "seconds": round(seconds, 3),
         "traces": [p.name for p in paths],
     }
@@ -277,33 +387,123 @@ def cmd_rollout(args) -> int:
     return 0
 
 
+def _rollout_episodes(args) -> int:
+    from kvstreams.atomic import write_json
+    from kvstreams.episodes import EpisodeRunner
+
+    if args.policy:
+        raise KVStreamsError(
+            "--policy (compression) and --strategy/--mode (compaction) cannot be combined yet"
+        )
+    mode = args.mode or "stream"
+    if mode != "full" and not args.strategy:
+        raise KVStreamsError(f"--mode {mode} needs --strategy")
+    strategy = _strategy(args.strategy, args) if args.strategy else None
+    envs = _envs(args, args.episodes)
+    out = Path(args.out)
+    _check_out(out)
+    model, tokenizer = _load(args)
+    params = _sampling_params(args, tokenizer)
+    runner = EpisodeRunner(model, tokenizer, strategy, mode=mode, sampling=params, **_runner_options(args))
+    seeds = [args.seed + i for i in range(args.episodes)]
+    with _progress(f"rollout {args.env or 'memory'} {mode}", None) as advance:
+        results, stats = runner.run(envs, seeds, progress=advance)
+    names = []
+    for r in results:
+        for k, trace in enumerate(r.traces):
+            suffix = f"-seg{k:02d}" if mode == "reprefill" else ""
+            names.append(trace.save(out / f"episode-{r.episode:05d}{suffix}.safetensors").name)
+    summary = {
+        **stats.as_dict(),
+        "mode": mode,
+        "env": args.env or "memory",
+        "strategy": strategy.describe() if strategy else None,
+        "model": str(args.model),
+        "block_size": args.block_size,
+        "episode_results": [
+            {
+                "episode": r.episode,
+                "seed": r.seed,
+                "reward": r.reward,
+                "compactions": len(r.compactions),
+                "segments": len(r.traces),
+                "end": r.info.get("end"),
+            }
+            for r in results
+        ],
+        "traces": names,
+    }
+    if mode != "reprefill":
+        summary.pop("tokens_reprefilled_predicted")
+    write_json(out / "summary.json", summary)
+    print(
+        f"wrote {len(names)} traces from {len(results)} episodes ({mode}): {stats.tokens_forwarded} tokens forwarded, "
+        f"{stats.tokens_reprefilled} re-prefilled, {stats.compactions} compactions, mean reward {stats.reward_mean:.3f}, "
+        f"in {stats.seconds:.1f}s -> {out}"
+    )
+    return 0
+
+
 def cmd_verify(args) -> int:
     from rich.table import Table
 
     from kvstreams.atomic import write_json
+    from kvstreams.compaction import STRATEGIES
     from kvstreams.policies import POLICIES
     from kvstreams.prompts import synthetic_prompts
-    from kvstreams.verify import verify_policy
+    from kvstreams.verify import verify_policy, verify_strategy
 
-    names = args.policy or sorted(n for n in POLICIES if n != "full")
-    policies = [_policy(name, args) for name in names]  # fail on bad names before loading anything
+    if args.policy and args.strategy:
+        raise KVStreamsError("verify either --policy (compression) or --strategy (compaction), not both")
+    check_strategies = bool(args.strategy) or (
+        args.env is not None and not args.policy and args.env != "gsm8k"
+    )
+    if check_strategies:
+        strategies = [_strategy(name, args) for name in (args.strategy or sorted(STRATEGIES))]
+        _envs(args, 1)  # fail on a bad environment before loading the model
+    else:
+        policies = [
+            _policy(name, args) for name in (args.policy or sorted(n for n in POLICIES if n != "full"))
+        ]
     model, tokenizer = _load(args)
     params = _sampling_params(args, tokenizer)
-    prompts = synthetic_prompts(tokenizer, args.episodes, args.prompt_len, seed=args.seed)
     reports = []
-    for policy in policies:
-        with _progress(f"verify {policy.name}", args.max_new_tokens) as advance:
-            report, _ = verify_policy(
-                model, tokenizer, policy, prompts, params, backend=args.backend, progress=advance
-            )
-        reports.append(report)
+    if check_strategies:
+        seeds = [args.seed + i for i in range(args.episodes)]
+        for strategy in strategies:
+            with _progress(f"verify {strategy.name}", None) as advance:
+                report, _ = verify_strategy(
+                    model,
+                    tokenizer,
+                    strategy,
+                    _envs(args, args.episodes),
+                    seeds,
+                    params,
+                    backend=args.backend,
+                    progress=advance,
+                    **_runner_options(args),
+                )
+            reports.append(report)
+    else:
+        if args.env:
+            _, prompts, _ = _env_prompts(args, tokenizer)
+        else:
+            prompts = synthetic_prompts(tokenizer, args.episodes, args.prompt_len, seed=args.seed)
+        for policy in policies:
+            with _progress(f"verify {policy.name}", args.max_new_tokens) as advance:
+                report, _ = verify_policy(
+                    model, tokenizer, policy, prompts, params, backend=args.backend, progress=advance
+                )
+            reports.append(report)
 
-    table = Table(title=f"sampler vs learner log-probs: {args.model} ({args.dtype}, {args.backend})")
+    what = f"strategies on {args.env or 'memory'} (stream mode)" if check_strategies else "policies"
+    table = Table(title=f"sampler vs learner log-probs, {what}: {args.model} ({args.dtype}, {args.backend})")
+    events = "compactions" if check_strategies else "evictions"
     for col in (
-        "policy",
+        "name",
         "seqs",
         "tokens",
-        "events",
+        events,
         "shadow max|Δ|",
         "mean|Δ|",
         "KL k3",
@@ -312,13 +512,13 @@ def cmd_verify(args) -> int:
         "KL k3",
         "ok",
     ):
-        table.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
+        table.add_column(col, justify="left" if col == "name" else "right", no_wrap=True)
     for r in reports:
         table.add_row(
-            r.policy,
+            r.name,
             str(r.sequences),
             str(r.tokens),
-            str(r.eviction_events),
+            f"{r.eviction_events} (min {r.min_events_per_sequence})",
             f"{r.shadow.max_abs_diff:.1e}",
             f"{r.shadow.mean_abs_diff:.1e}",
             f"{r.shadow.kl_k3:.1e}",
@@ -330,8 +530,8 @@ def cmd_verify(args) -> int:
     console = _console()
     console.print(table)
     console.print(
-        "shadow = learner replaying the recorded per-layer, per-head visibility; dense = plain causal "
-        f"learner (the naive baseline). events = eviction rounds. Pass: shadow max|Δ| <= {reports[0].tolerance:g}."
+        "shadow = learner replaying the recorded per-layer, per-head visibility; dense = plain causal learner "
+        f"(the naive baseline). Pass: shadow max|Δ| <= {reports[0].tolerance:g}."
     )
     if args.json:
         write_json(
@@ -340,6 +540,7 @@ def cmd_verify(args) -> int:
                 "model": str(args.model),
                 "dtype": args.dtype,
                 "backend": args.backend,
+                "env": args.env,
                 "reports": [r.as_dict() for r in reports],
             },
         )

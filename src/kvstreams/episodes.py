@@ -169,6 +169,8 @@ class EpisodeRunner:
         if len(envs) != len(seeds) or not envs:
             raise KVStreamsError("need one seed per environment, and at least one episode")
         start = time.perf_counter()
+        if self.strategy is not None:
+            self.strategy = self.strategy.with_budget(envs[0].context_budget)
         self.session = session = StreamSession(self.model, len(envs))
         self.tokens_filler = 0
         episodes = [

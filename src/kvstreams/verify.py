@@ -1,8 +1,9 @@
-"""``kvstreams verify``: sample with each policy, replay, and measure sampler/learner agreement.
+"""``kvstreams verify``: sample, replay, and measure sampler/learner agreement.
 
-For every policy the shadow learner (recorded visibility) must reproduce the sampler's log-probs to
-float precision; the dense learner (plain causal attention, the naive baseline) shows the off-policy
-gap that eviction opens when the record is ignored.
+For every eviction policy (compression while sampling) and every compaction strategy (multi-turn
+episodes in stream mode), the shadow learner (recorded visibility) must reproduce the sampler's
+log-probs to float precision; the dense learner (plain causal attention, the naive baseline) shows
+the off-policy gap that eviction opens when the record is ignored.
 """
 
 from __future__ import annotations
@@ -12,7 +13,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from kvstreams.compaction import CompactionStrategy
 from kvstreams.engine import RolloutEngine, SamplingParams
+from kvstreams.envs import Environment
+from kvstreams.episodes import EpisodeRunner
 from kvstreams.policies import EvictionPolicy
 from kvstreams.replay import replay_logprobs
 from kvstreams.trace import Trace
@@ -47,15 +51,17 @@ class Agreement:
 
 
 @dataclass
-class PolicyReport:
-    policy: str
+class Report:
+    """Agreement for one eviction policy or one compaction strategy (stream mode)."""
+
+    name: str
+    kind: str  # "policy" or "strategy"
     sequences: int
     tokens: int  # trace tokens
     sampled_tokens: int
-    eviction_events: int
+    eviction_events: int  # eviction rounds (policies) or compactions (strategies)
     min_events_per_sequence: int
     evicted_entries: int  # summed over layers and KV heads
-    kv_capacity: int
     shadow: Agreement
     dense: Agreement
     tolerance: float
@@ -68,6 +74,27 @@ class PolicyReport:
         return {**asdict(self), "passed": self.passed}
 
 
+def report_for(
+    model, name: str, kind: str, traces: list[Trace], events: list[int], backend: str = "sdpa"
+) -> Report:
+    """Replay ``traces`` with the shadow and dense learners and compare both with the sampler."""
+    shadow = replay_logprobs(model, traces, mode="shadow", backend=backend)
+    dense = replay_logprobs(model, traces, mode="dense", backend=backend)
+    return Report(
+        name=name,
+        kind=kind,
+        sequences=len(traces),
+        tokens=sum(len(t) for t in traces),
+        sampled_tokens=int(sum(int(t.sampled_mask.sum()) for t in traces)),
+        eviction_events=sum(events),
+        min_events_per_sequence=min(events) if events else 0,
+        evicted_entries=sum(t.n_evicted for t in traces),
+        shadow=Agreement.measure(traces, shadow),
+        dense=Agreement.measure(traces, dense),
+        tolerance=TOLERANCE.get(model.dtype, 1e-4),
+    )
+
+
 def verify_policy(
     model,
     tokenizer,
@@ -76,23 +103,28 @@ def verify_policy(
     params: SamplingParams,
     backend: str = "sdpa",
     progress: Callable[[int], None] | None = None,
-) -> tuple[PolicyReport, list[Trace]]:
+) -> tuple[Report, list[Trace]]:
     engine = RolloutEngine(model, tokenizer, policy)
     traces = engine.generate(prompts, params, progress=progress)
-    shadow = replay_logprobs(model, traces, mode="shadow", backend=backend)
-    dense = replay_logprobs(model, traces, mode="dense", backend=backend)
-    events = engine.last_stats.eviction_events
-    report = PolicyReport(
-        policy=policy.name,
-        sequences=len(traces),
-        tokens=sum(len(t) for t in traces),
-        sampled_tokens=int(sum(int(t.sampled_mask.sum()) for t in traces)),
-        eviction_events=sum(events),
-        min_events_per_sequence=min(events) if events else 0,
-        evicted_entries=sum(t.n_evicted for t in traces),
-        kv_capacity=engine.last_stats.kv_capacity,
-        shadow=Agreement.measure(traces, shadow),
-        dense=Agreement.measure(traces, dense),
-        tolerance=TOLERANCE.get(model.dtype, 1e-4),
-    )
-    return report, traces
+    return report_for(
+        model, policy.name, "policy", traces, engine.last_stats.eviction_events, backend
+    ), traces
+
+
+def verify_strategy(
+    model,
+    tokenizer,
+    strategy: CompactionStrategy,
+    envs: list[Environment],
+    seeds: list[int],
+    params: SamplingParams,
+    backend: str = "sdpa",
+    progress: Callable[[int], None] | None = None,
+    **runner_options,
+) -> tuple[Report, list[Trace]]:
+    """Run episodes in stream mode (one trace each) and replay them."""
+    runner = EpisodeRunner(model, tokenizer, strategy, mode="stream", sampling=params, **runner_options)
+    results, _ = runner.run(envs, seeds, progress=progress)
+    traces = [t for r in results for t in r.traces]
+    events = [len(r.compactions) for r in results]
+    return report_for(model, strategy.name, "strategy", traces, events, backend), traces

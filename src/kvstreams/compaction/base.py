@@ -33,20 +33,32 @@ class CompactionStrategy:
     #: None, "instruction" (the model summarises after an instruction) or "marker" (the model's own marker)
     bridge: ClassVar[str | None] = None
 
-    budget: int = 384  # B: compact when the live context plus the incoming message would exceed it
+    #: B: compact when the live context plus the incoming message would exceed it. None: the
+    #: environment's ``context_budget`` (its messages' typical size decides what a sensible B is)
+    budget: int | None = None
     turn_budget: int = 0  # > 0: also compact every this many turns
 
     def __post_init__(self) -> None:
-        if self.budget < 16:
+        if self.budget is not None and self.budget < 16:
             raise KVStreamsError(f"{self.name}: budget must be at least 16 tokens, got {self.budget}")
         if self.turn_budget < 0:
             raise KVStreamsError(f"{self.name}: turn_budget must be >= 0, got {self.turn_budget}")
+
+    def with_budget(self, budget: int) -> CompactionStrategy:
+        """This strategy with ``budget`` filled in when it was left to the environment."""
+        return self if self.budget is not None else dataclasses.replace(self, budget=budget)
+
+    @property
+    def b(self) -> int:
+        if self.budget is None:
+            raise KVStreamsError(f"{self.name}: no budget set (use with_budget)")
+        return self.budget
 
     def trigger(self, live: int, incoming: int, turns_since: int) -> str | None:
         """Why to compact now ("turns" or "tokens"), or None."""
         if self.turn_budget and turns_since >= self.turn_budget:
             return "turns"
-        if live + incoming > self.budget:
+        if live + incoming > self.b:
             return "tokens"
         return None
 
@@ -62,10 +74,10 @@ class CompactionStrategy:
 
     def check(self, head: int) -> None:
         r = self.min_retained(head)
-        if r >= self.budget:
+        if r >= self.b:
             raise KVStreamsError(
                 f"{self.name}: retained context r = {r} tokens (head {head} + what the strategy keeps) is not "
-                f"below the budget B = {self.budget}; re-prefill cost N*r/(B-r) would diverge and compaction "
+                f"below the budget B = {self.b}; re-prefill cost N*r/(B-r) would diverge and compaction "
                 "could never make room. Raise the budget or keep less."
             )
 

@@ -5,7 +5,7 @@ carry-over chunk, so memory is constant and the agent must carry state in what i
 in one large stride: everything but the newest ``keep_tokens`` worth of messages (at least the newest
 message is kept).
 
-Defaults: budget 384 tokens, keep_tokens 128.
+Defaults: the environment's budget, keep_tokens a third of it.
 """
 
 from __future__ import annotations
@@ -19,20 +19,26 @@ from kvstreams.errors import KVStreamsError
 @register("markovian")
 @dataclass
 class Markovian(CompactionStrategy):
-    keep_tokens: int = 128
+    keep_tokens: int | None = None  # None: a third of the budget
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not 0 < self.keep_tokens < self.budget:
+        if self.keep_tokens is not None and self.keep_tokens < 1:
+            raise KVStreamsError(f"markovian: keep_tokens must be positive, got {self.keep_tokens}")
+        if self.keep_tokens is not None and self.budget is not None and self.keep_tokens >= self.budget:
             raise KVStreamsError(
-                f"markovian: keep_tokens ({self.keep_tokens}) must be positive and below the budget ({self.budget}): "
+                f"markovian: keep_tokens ({self.keep_tokens}) must be below the budget ({self.budget}): "
                 "retaining r >= B leaves no room to compact"
             )
+
+    @property
+    def keep(self) -> int:
+        return self.keep_tokens if self.keep_tokens is not None else self.b // 3
 
     def units_to_delete(self, head: int, units: list[UnitView], incoming: int) -> int:
         kept, n_keep = 0, 0
         for unit in reversed(units):
-            if n_keep and kept + unit.length > self.keep_tokens:
+            if n_keep and kept + unit.length > self.keep:
                 break
             kept += unit.length
             n_keep += 1

@@ -5,7 +5,7 @@ between the head and the end of the marker is deleted and the rest of the reply 
 As a safety net, if the live context would exceed ``budget`` the engine starts the next reply with
 the marker itself (forced, not trained on) and the model writes the bridge.
 
-Defaults: marker ``<compact>``, budget 384 tokens, bridges of at most 64 tokens.
+Defaults: marker ``<compact>``, the environment's budget, bridges of at most 64 tokens.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The strategy that retains the most context (r close to B, so re-prefill is at its most expensive:
 N*r/(B-r)). A turn is the model's reply and the environment's answer to it.
 
-Defaults: budget 384 tokens, stride 1 turn.
+Defaults: the environment's budget (memory 384 tokens, TextWorld 1024), stride 1 turn.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class SlidingWindow(CompactionStrategy):
     def units_to_delete(self, head: int, units: list[UnitView], incoming: int) -> int:
         live = head + sum(u.length for u in units)
         n = 0
-        while n < len(units) - 1 and live + incoming > self.budget:
+        while n < len(units) - 1 and live + incoming > self.b:
             step = min(2 * self.stride, len(units) - 1 - n)  # a turn is two units: reply + answer
             live -= sum(u.length for u in units[n : n + step])
             n += step

@@ -5,7 +5,7 @@ budget is reached, an instruction asks the model to summarise what it must remem
 reply (the bridge: sampled and trained on like any reply) stays, and every message between the head
 and the bridge, the instruction included, is deleted.
 
-Defaults: budget 384 tokens, bridges of at most 64 tokens.
+Defaults: the environment's budget, bridges of at most 64 tokens.
 """
 
 from __future__ import annotations

@@ -35,6 +35,8 @@ class StepResult(NamedTuple):
 @dataclass
 class Environment:
     name: ClassVar[str] = "base"
+    #: default compaction budget B in tokens, sized to this environment's messages
+    context_budget: ClassVar[int] = 512
     #: the most replies an episode may take before it is cut off (reward 0 for what is missing)
     max_turns: int = 32
 

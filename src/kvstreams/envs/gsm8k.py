@@ -13,6 +13,7 @@ import random
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from kvstreams.envs.base import Environment, Message, StepResult, register
 from kvstreams.errors import KVStreamsError
@@ -36,6 +37,8 @@ def extract_answer(text: str) -> str | None:
 @register("gsm8k")
 @dataclass
 class GSM8KEnv(Environment):
+    context_budget: ClassVar[int] = 1024
+
     path: str = "../shared/data/gsm8k/test.jsonl"
     max_turns: int = 1
     _rows: list[dict] = field(default_factory=list, init=False, repr=False)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from kvstreams.envs.base import Environment, Message, StepResult, parse_action, register
 from kvstreams.models import WORDS
@@ -29,6 +30,8 @@ NAMES = ("apple", "book", "lamp", "coin", "map", "note")
 @register("memory")
 @dataclass
 class MemoryEnv(Environment):
+    context_budget: ClassVar[int] = 384
+
     n_facts: int = 2
     n_turns: int = 10
     noise_words: int = 24

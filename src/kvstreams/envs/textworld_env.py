@@ -4,8 +4,9 @@ Côté et al., 2018, "TextWorld: A Learning Environment for Text-based Games"; t
 main agentic benchmark. Games are made with ``textworld.make`` (what ``tw-make custom`` runs; the
 Inform 7 compiler ships inside the wheel), seeded, into a cache directory, so the same seed is the
 same game. Observations are user messages; the agent replies ``<action>command</action>``. A reply
-without a parsable action is sent as it is (the game answers "That's not a verb I recognise.");
-nothing the agent says crashes an episode. Reward: score gained / max score at every step.
+without a parsable action is sent as it is (the game answers "That's not a verb I recognise."),
+reduced to printable ASCII (the Z-machine's jericho crashes on anything else); nothing the agent
+says crashes an episode. Reward: score gained / max score at every step.
 
 Knobs: ``world_size`` (rooms), ``nb_objects``, ``quest_length``, ``max_turns`` (step limit).
 ``expert_reply`` follows the game's walkthrough.
@@ -18,7 +19,7 @@ import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from kvstreams.envs.base import Environment, Message, StepResult, parse_action, register
 from kvstreams.errors import KVStreamsError
@@ -42,9 +43,23 @@ def clean_observation(text: str) -> str:
     return text.rstrip(">").strip()
 
 
+def game_command(reply: str) -> str:
+    """The command for the game: the reply's action, else the reply itself, in printable ASCII.
+
+    The Z-machine reads ZSCII; jericho crashes the process on control or non-ASCII bytes (which an
+    untrained model writes freely) and dumb-frotz treats a backslash as its own escape.
+    """
+    command = parse_action(reply)
+    command = reply if command is None else command
+    command = re.sub(r"[^A-Za-z0-9 .,'!?-]+", " ", command)  # no control bytes, no frotz escapes (\\)
+    return " ".join(command.split())[:200]
+
+
 @register("textworld")
 @dataclass
 class TextWorldEnv(Environment):
+    context_budget: ClassVar[int] = 1024
+
     world_size: int = 3
     nb_objects: int = 6
     quest_length: int = 3
@@ -118,8 +133,7 @@ class TextWorldEnv(Environment):
     def step(self, reply: str) -> StepResult:
         if self._env is None:
             raise RuntimeError("step() before reset()")
-        command = parse_action(reply)
-        state, score, done = self._env.step(command if command is not None else reply.strip())
+        state, score, done = self._env.step(game_command(reply))
         self._steps += 1
         reward = (float(score) - self._score) / self._max_score
         self._score = float(score)
