@@ -78,7 +78,7 @@ def test_rollout_inspect_verify(model_dirs, tmp_path, capsys):
     )
     assert rc == 0
     data = json.loads(report.read_text())
-    assert [r["policy"] for r in data["reports"]] == ["recent", "knorm"]
+    assert [r["name"] for r in data["reports"]] == ["recent", "knorm"]
     for r in data["reports"]:
         assert r["passed"] and r["shadow"]["max_abs_diff"] <= 1e-4 < r["dense"]["max_abs_diff"]
     assert "recent" in capsys.readouterr().out
@@ -150,3 +150,141 @@ def test_console_entry_point_reports_without_traceback(tmp_path):
         proc.stderr.strip()
         == f"kvstreams verify: error: model directory '{tmp_path / 'nope'}' does not exist"
     )
+
+
+def test_episode_rollouts_write_traces_and_summary(model_dirs, tmp_path):
+    out = tmp_path / "reprefill"
+    rc = run(
+        [
+            "rollout",
+            "--model",
+            model_dirs["qwen3"],
+            "--env",
+            "memory",
+            "--env-arg",
+            "n_turns=6",
+            "--strategy",
+            "markovian",
+            "--mode",
+            "reprefill",
+            "--episodes",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    summary = json.loads((out / "summary.json").read_text())
+    for key in (
+        "tokens_forwarded",
+        "tokens_reprefilled",
+        "tokens_filler",
+        "tokens_trace",
+        "kv_peak_entries",
+        "kv_peak_bytes",
+        "compactions",
+        "tokens_reprefilled_predicted",
+    ):
+        assert key in summary, key
+    assert summary["tokens_reprefilled"] > 0 and summary["compactions"] >= 2
+    segments = sorted(out.glob("episode-00000-seg*.safetensors"))
+    assert len(segments) == summary["episode_results"][0]["segments"] >= 2
+    assert Trace.load(segments[1]).metadata["mode"] == "reprefill"
+
+    out = tmp_path / "stream"
+    rc = run(
+        [
+            "rollout",
+            "--model",
+            model_dirs["qwen3"],
+            "--env",
+            "memory",
+            "--env-arg",
+            "n_turns=6",
+            "--strategy",
+            "summary",
+            "--episodes",
+            "1",
+            "--block-size",
+            "16",
+            "--out",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["mode"] == "stream" and summary["tokens_reprefilled"] == 0 and summary["tokens_filler"] > 0
+    assert "tokens_reprefilled_predicted" not in summary
+    assert [p.name for p in out.glob("*.safetensors")] == ["episode-00000.safetensors"]
+
+
+def test_single_turn_env_rollout_reports_rewards(model_dirs, tmp_path):
+    out = tmp_path / "gsm"
+    rc = run(
+        [
+            "rollout",
+            "--model",
+            model_dirs["qwen3"],
+            "--env",
+            "gsm8k",
+            "--env-arg",
+            "path=../shared/data/gsm8k/test.jsonl",
+            "--policy",
+            "h2o",
+            "--episodes",
+            "2",
+            "--max-new-tokens",
+            "40",
+            "--out",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(summary["rewards"]) == 2 and all(r in (0.0, 1.0) for r in summary["rewards"])
+
+
+def test_verify_strategies(model_dirs, tmp_path):
+    report = tmp_path / "v.json"
+    rc = run(
+        [
+            "verify",
+            "--model",
+            model_dirs["llama"],
+            "--env",
+            "memory",
+            "--env-arg",
+            "n_turns=8",
+            "--strategy",
+            "sliding_window",
+            "--episodes",
+            "1",
+            "--json",
+            str(report),
+        ]
+    )
+    assert rc == 0
+    (r,) = json.loads(report.read_text())["reports"]
+    assert r["kind"] == "strategy" and r["passed"] and r["eviction_events"] >= 3
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["rollout", "--mode", "reprefill"], "needs --strategy"),
+        (["rollout", "--strategy", "summary", "--policy", "h2o"], "cannot be combined"),
+        (["rollout", "--strategy", "nope"], "unknown compaction strategy"),
+        (["rollout", "--strategy", "summary", "--env", "chess"], "unknown environment"),
+        (["rollout", "--strategy", "markovian", "--compact-budget", "40"], "not below the budget"),
+        (["rollout", "--strategy", "markovian", "--strategy-arg", "keep_tokens=0"], "keep_tokens"),
+        (["rollout", "--strategy", "summary", "--mode", "sideways"], "invalid choice"),
+        (["verify", "--strategy", "summary", "--policy", "h2o"], "not both"),
+    ],
+)
+def test_bad_episode_values(model_dirs, tmp_path, capsys, argv, message):
+    out = tmp_path / "out"
+    extra = ["--out", str(out)] if argv[0] == "rollout" else []
+    rc = run([*argv, "--model", model_dirs["qwen3"], "--episodes", "1", *extra])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and message in err and len(err.splitlines()) == 1 and "Traceback" not in err
+    assert not out.exists() or not any(out.iterdir())

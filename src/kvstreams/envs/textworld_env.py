@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -52,7 +53,7 @@ def game_command(reply: str) -> str:
     command = parse_action(reply)
     command = reply if command is None else command
     command = re.sub(r"[^A-Za-z0-9 .,'!?-]+", " ", command)  # no control bytes, no frotz escapes (\\)
-    return " ".join(command.split())[:200]
+    return " ".join(command.split())[:190]  # jericho truncates (with a warning) past 197 bytes
 
 
 @register("textworld")
@@ -115,8 +116,12 @@ class TextWorldEnv(Environment):
         self.close()
         path = self.make_game(seed)
         infos = textworld.EnvInfos(max_score=True, won=True, lost=True, extras=["walkthrough"])
-        self._env = textworld.start(str(path), request_infos=infos)
-        state = self._env.reset()
+        with (
+            warnings.catch_warnings()
+        ):  # jericho: "not fully supported" (it scores through textworld instead)
+            warnings.simplefilter("ignore")
+            self._env = textworld.start(str(path), request_infos=infos)
+            state = self._env.reset()
         self._walkthrough = list(state.get("extra.walkthrough") or [])
         self._max_score = float(state.get("max_score") or 1.0)
         self._score = 0.0

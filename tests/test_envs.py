@@ -1,0 +1,113 @@
+"""Environments: experts win, bad replies never crash, rewards in [0, 1]; the chat continuation rule."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstreams.chat import ChatFormat
+from kvstreams.envs import ENVIRONMENTS, make_env, parse_action
+from kvstreams.envs.gsm8k import extract_answer
+from kvstreams.errors import KVStreamsError
+
+GSM8K = "../shared/data/gsm8k/test.jsonl"
+
+
+def play(env, seed: int, reply_fn) -> tuple[float, int, dict]:
+    env.reset(seed)
+    total, turns = 0.0, 0
+    while True:
+        result = env.step(reply_fn(env))
+        total += result.reward
+        turns += 1
+        if result.done or turns >= env.max_turns:
+            return total, turns, result.info
+
+
+def test_registry_and_errors():
+    assert {"memory", "textworld", "gsm8k"} <= set(ENVIRONMENTS)
+    with pytest.raises(KVStreamsError, match="unknown environment"):
+        make_env("chess")
+    with pytest.raises(KVStreamsError, match="no option"):
+        make_env("memory", colour=3)
+
+
+def test_parse_action():
+    assert parse_action("<state>x</state><action> go north </action>") == "go north"
+    assert parse_action("<action>a</action> then <action>b</action>") == "b"
+    assert parse_action("no action here") is None
+
+
+def test_memory_expert_wins_and_forgetful_agent_loses():
+    env = make_env("memory", n_facts=3, n_turns=6)
+    reward, turns, info = play(env, 5, lambda e: e.expert_reply())
+    assert reward == 1.0 and turns == 7 and info["correct"] == 3
+    reward, _, _ = play(env, 5, lambda e: "<action>ok</action>")
+    assert reward == 0.0
+    # partial credit: one fact right
+    env.reset(5)
+    facts = env.state_text().split()
+    for _ in range(6):
+        env.step("<action>ok</action>")
+    assert env.step(f"<action>{facts[0]} color=none</action>").reward == pytest.approx(1 / 3)
+
+
+def test_memory_is_seeded():
+    a, b = make_env("memory"), make_env("memory")
+    assert a.reset(3) == b.reset(3) and a.reset(3) != a.reset(4)
+
+
+def test_gsm8k_scores_exact_numbers():
+    env = make_env("gsm8k", path=GSM8K)
+    messages = env.reset(0)
+    assert messages[-1]["role"] == "user" and len(messages[-1]["content"]) > 20
+    assert env.step(env.expert_reply()).reward == 1.0
+    assert env.step("I think it is 123456789.").reward == 0.0
+    assert extract_answer("so 1,200 in total\n#### 1,200") == "1200"
+    assert extract_answer("the answer is 3.50") == "3.5"
+    assert extract_answer("no numbers") is None
+    with pytest.raises(KVStreamsError, match="not found"):
+        make_env("gsm8k", path="/nonexistent.jsonl").reset(0)
+
+
+@pytest.fixture(scope="module")
+def tw_cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("textworld"))
+
+
+def test_textworld_expert_wins(tw_cache):
+    env = make_env("textworld", cache_dir=tw_cache)
+    messages = env.reset(7)
+    assert "$$" not in messages[-1]["content"] and "-=" in messages[-1]["content"]
+    reward, _, info = play(env, 7, lambda e: e.expert_reply())
+    assert reward == pytest.approx(1.0) and info["won"]
+    env.close()
+
+
+def test_textworld_bad_replies_get_the_games_answer(tw_cache):
+    env = make_env("textworld", cache_dir=tw_cache)
+    env.reset(7)
+    for reply in [
+        "fly to the moon",
+        "",
+        "\x18\x10 \\ ~héllo <action>",
+        "<state>no action</state>",
+        "x" * 500,
+    ]:
+        result = env.step(reply)
+        assert not result.done and result.reward == 0.0
+        assert result.messages and result.messages[0]["content"]
+    env.close()
+
+
+def test_chat_continuation_reproduces_the_template(qwen):
+    _, tok = qwen
+    chat = ChatFormat(tok)
+    head = [{"role": "system", "content": "sys"}, {"role": "user", "content": "task"}]
+    reply = "<action>go north</action>"
+    obs = [{"role": "user", "content": "You are in a hall."}]
+    tokens = chat.head(head) + chat.assistant_header() + chat.encode(reply) + [chat.end_of_turn]
+    tokens += chat.after_reply(obs) + chat.assistant_header()
+    expected = tok.apply_chat_template(
+        [*head, {"role": "assistant", "content": reply}, *obs], tokenize=False, add_generation_prompt=True
+    )
+    assert tok.decode(tokens) == expected

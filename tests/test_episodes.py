@@ -1,0 +1,204 @@
+"""Multi-turn episodes with compaction: exact replay in stream mode, re-prefill accounting, the three
+modes agreeing before the first compaction, block padding, weight updates, failing environments."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kvstreams.compaction import STRATEGIES, make_strategy
+from kvstreams.engine import SamplingParams
+from kvstreams.envs import Environment, StepResult, make_env
+from kvstreams.episodes import EpisodeRunner, reprefill_closed_form
+from kvstreams.errors import KVStreamsError
+from kvstreams.replay import replay_logprobs
+from kvstreams.verify import Agreement
+
+
+def run(qwen, strategy: str | None, mode: str, n: int = 2, env_kwargs=None, **options):
+    model, tok = qwen
+    runner = EpisodeRunner(
+        model,
+        tok,
+        make_strategy(strategy) if strategy else None,
+        mode=mode,
+        sampling=SamplingParams(seed=0),
+        **options,
+    )
+    envs = [make_env("memory", **(env_kwargs or {})) for _ in range(n)]
+    return runner.run(envs, list(range(1, n + 1)))
+
+
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_stream_mode_replays_exactly_and_never_reprefills(qwen, strategy):
+    results, stats = run(qwen, strategy, "stream")
+    traces = [t for r in results for t in r.traces]
+    assert len(traces) == len(results)  # one trace per episode
+    assert all(len(r.compactions) >= 3 for r in results)
+    assert stats.tokens_reprefilled == 0
+    assert stats.tokens_forwarded <= stats.tokens_trace  # every token entered the cache at most once
+    agreement = Agreement.measure(traces, replay_logprobs(qwen[0], traces))
+    assert agreement.max_abs_diff <= 1e-4
+    dense = Agreement.measure(traces, replay_logprobs(qwen[0], traces, mode="dense"))
+    assert dense.max_abs_diff > 0.05
+
+    for r, trace in zip(results, traces, strict=True):
+        death = trace.death[0, 0]
+        assert tuple(trace.death.shape[:2]) == (1, 1)  # compaction evicts in every layer and head alike
+        for event in r.compactions:
+            spans = event["deleted"]
+            assert spans, event
+            at = {int(death[s:e].max()) for s, e in spans if e > s} | {
+                int(death[s:e].min()) for s, e in spans if e > s
+            }
+            assert len(at) == 1  # the whole span dies at one query ...
+            (at,) = at
+            assert at > max(e for _, e in spans) - 1  # ... after it was written
+            if event["bridge"]:
+                b0, b1 = event["bridge"]
+                assert b0 >= max(e for _, e in spans) and bool((death[b0:b1] > at).all())  # the bridge stays
+        # the protected head is never evicted
+        head_end = min(s for e in r.compactions for s, _ in e["deleted"])
+        assert bool((death[:head_end] == len(trace)).all())
+        assert trace.metadata["mode"] == "stream" and trace.metadata["strategy"] == strategy
+
+
+@pytest.mark.parametrize("strategy", ["sliding_window", "summary"])
+def test_reprefill_segments_replay_exactly_and_are_counted(qwen, strategy):
+    results, stats = run(qwen, strategy, "reprefill")
+    for r in results:
+        assert len(r.traces) == len(r.compactions) + 1
+        for k, seg in enumerate(r.traces):
+            assert int(seg.metadata["segment"]) == k
+            assert int(seg.death.min()) == len(seg)  # nothing is evicted inside a segment
+    assert stats.tokens_reprefilled == sum(e["retained"] for r in results for e in r.compactions) > 0
+    traces = [t for r in results for t in r.traces]
+    assert Agreement.measure(traces, replay_logprobs(qwen[0], traces)).max_abs_diff <= 1e-4
+
+
+def test_reprefill_cost_matches_the_closed_form_on_a_long_episode(qwen):
+    _, stats = run(
+        qwen, "sliding_window", "reprefill", n=1, env_kwargs={"n_turns": 40, "max_turns": 60}
+    )
+    assert stats.compactions >= 20
+    new_tokens = stats.tokens_forwarded - stats.tokens_reprefilled
+    predicted = reprefill_closed_form(new_tokens, stats.retained_mean, stats.context_at_compaction_mean)
+    assert predicted == pytest.approx(stats.tokens_reprefilled_predicted)
+    assert abs(stats.tokens_reprefilled / predicted - 1) < 0.10
+
+
+def test_closed_form_rejects_r_at_or_above_b():
+    assert reprefill_closed_form(1000, 100, 300) == pytest.approx(500)
+    with pytest.raises(KVStreamsError, match="diverges"):
+        reprefill_closed_form(1000, 300, 300)
+
+
+@pytest.mark.parametrize("strategy", ["sliding_window", "markovian"])
+def test_same_seed_same_text_in_all_modes_until_the_first_compaction(qwen, strategy):
+    stream, _ = run(qwen, strategy, "stream")
+    reprefill, _ = run(qwen, strategy, "reprefill")
+    full, _ = run(qwen, None, "full")
+    for s, r, f in zip(stream, reprefill, full, strict=True):
+        first = r.traces[0]  # the segment that ends at the first compaction
+        n = len(first)
+        assert torch.equal(s.traces[0].tokens[:n], first.tokens)
+        assert torch.equal(f.traces[0].tokens[:n], first.tokens)
+        assert torch.allclose(
+            s.traces[0].sampler_logprobs[:n].nan_to_num(), first.sampler_logprobs.nan_to_num(), atol=1e-5
+        )
+        assert not torch.equal(
+            s.traces[0].tokens, f.traces[0].tokens
+        )  # compaction did change what came after
+
+
+def test_full_mode_never_compacts_and_its_kv_grows(qwen):
+    _, full = run(qwen, None, "full")
+    _, stream = run(qwen, "markovian", "stream")
+    assert full.compactions == 0 and full.tokens_reprefilled == 0
+    assert stream.kv_peak_entries < full.kv_peak_entries / 2
+
+
+def test_block_padding_aligns_every_turn(qwen):
+    results, stats = run(qwen, "sliding_window", "stream", block_size=16)
+    assert stats.tokens_filler > 0
+    for r in results:
+        for event in r.compactions:
+            for start, end in event["deleted"]:
+                assert start % 16 == 0 and end % 16 == 0
+    traces = [t for r in results for t in r.traces]
+    assert Agreement.measure(traces, replay_logprobs(qwen[0], traces)).max_abs_diff <= 1e-4
+
+
+def test_weight_update_mid_episode_keeps_the_cache(qwen):
+    model, tok = qwen
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    perturbed = {
+        k: v + 0.01 * torch.randn_like(v) if v.is_floating_point() else v for k, v in original.items()
+    }
+
+    def on_step(step: int, session) -> None:
+        if step == 30:
+            session.update_weights(perturbed, version=1)
+
+    runner = EpisodeRunner(
+        model, tok, make_strategy("markovian"), mode="stream", sampling=SamplingParams(seed=0)
+    )
+    try:
+        results, stats = runner.run([make_env("memory") for _ in range(2)], [1, 2], on_step=on_step)
+    finally:
+        model.load_state_dict(original)
+    for r in results:
+        (trace,) = r.traces
+        versions = trace.policy_version
+        assert set(versions.tolist()) == {0, 1}
+        first_new = int((versions == 1).nonzero()[0])
+        assert bool((versions[first_new:] == 1).all())  # monotone: old tokens keep their version
+    assert stats.tokens_reprefilled == 0  # nothing was flushed or recomputed
+    assert stats.tokens_forwarded <= stats.tokens_trace
+
+
+@dataclass
+class Flaky(Environment):
+    fail_on: str = "step"
+
+    def reset(self, seed: int):
+        if self.fail_on == "reset":
+            raise RuntimeError("cannot start")
+        self.turn = 0
+        return [{"role": "user", "content": "Say anything."}]
+
+    def step(self, reply: str) -> StepResult:
+        self.turn += 1
+        if self.fail_on == "step" and self.turn == 2:
+            raise ValueError("broken game")
+        return StepResult(
+            [{"role": "user", "content": "more"}], 0.5 if self.turn == 3 else 0.0, self.turn == 3, {}
+        )
+
+
+def test_failing_environments_end_their_episode_only(qwen):
+    model, tok = qwen
+    runner = EpisodeRunner(model, tok, None, mode="full", sampling=SamplingParams(seed=0), max_reply_tokens=8)
+    results, _ = runner.run([Flaky(fail_on="step"), Flaky(fail_on="reset"), Flaky(fail_on="")], [0, 1, 2])
+    step_fail, reset_fail, ok = results
+    assert step_fail.reward == 0 and "step raised ValueError: broken game" in step_fail.info["end"]
+    assert len(step_fail.traces) == 1  # what was sampled before the failure is kept
+    assert (
+        reset_fail.reward == 0
+        and reset_fail.info["end"].startswith("reset raised")
+        and reset_fail.traces == []
+    )
+    assert ok.reward == 0.5 and ok.info["end"] == "done"
+
+
+def test_budget_that_cannot_hold_the_head_is_rejected(qwen):
+    model, tok = qwen
+    runner = EpisodeRunner(model, tok, make_strategy("sliding_window", budget=40), mode="stream")
+    with pytest.raises(KVStreamsError, match="not below the budget"):
+        runner.run([make_env("memory")], [0])
+    with pytest.raises(KVStreamsError, match="keep_tokens"):
+        make_strategy("markovian", budget=100, keep_tokens=100)
+    with pytest.raises(KVStreamsError, match="unknown compaction strategy"):
+        make_strategy("nope")
