@@ -1,9 +1,9 @@
-"""Memory: facts revealed at the start are asked for at the end, many turns later.
+"""Memory: facts revealed in the first turn are asked for at the end, many turns later.
 
-The KV-streams paper's "pseudo-recurrent" setting: once compaction deletes the opening message's
-facts from the context, only an agent that carries them forward in its own replies (or summaries)
-can still answer. Each reply should be ``<state>...</state><action>...</action>``; the final
-question is answered inside ``<action>``.
+The KV-streams paper's "pseudo-recurrent" setting. The facts arrive in the first observation, not
+in the protected head, so compaction deletes them; only an agent that carries them forward in its
+own replies (or summaries) can still answer. Each reply should be
+``<state>...</state><action>...</action>``; the final question is answered inside ``<action>``.
 
 Knobs: ``n_facts`` (how much to remember), ``n_turns`` (distractor turns before the question),
 ``noise_words`` (length of each distractor observation). Reward: the fraction of facts answered
@@ -55,17 +55,22 @@ class MemoryEnv(Environment):
         kinds = FACT_KINDS[: max(1, min(self.n_facts, len(FACT_KINDS)))]
         self._facts = {k: self._fact_value(k) for k in kinds}
         self._turn = 0
-        facts = ". ".join(f"the {k} is {v}" for k, v in self._facts.items())
         return [
             {
                 "role": "system",
                 "content": "You are an agent with a short memory. Reply with <state>what you "
                 "must remember</state><action>your action</action>.",
             },
-            {"role": "user", "content": f"Remember: {facts}. You will be asked later."},
+            {
+                "role": "user",
+                "content": "You will be told facts. Remember them: you will be asked later. Ready?",
+            },
         ]
 
     def _observation(self) -> str:
+        if self._turn == 1:
+            facts = ". ".join(f"the {k} is {v}" for k, v in self._facts.items())
+            return f"Remember: {facts}. Reply <action>ok</action>."
         if self._turn >= self.n_turns:
             keys = " ".join(self._facts)
             return f"Final question: what is the {keys}? Answer <action>{' '.join(k + '=?' for k in self._facts)}</action>."
@@ -84,6 +89,8 @@ class MemoryEnv(Environment):
         return StepResult([{"role": "user", "content": self._observation()}], 0.0, False, {})
 
     def expert_reply(self) -> str:
+        if self._turn == 0:  # nothing to remember yet
+            return "<state></state><action>ok</action>"
         if self._turn >= self.n_turns:
             return f"<state>{self.state_text()}</state><action>{self.state_text()}</action>"
         return f"<state>{self.state_text()}</state><action>ok</action>"
