@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 DEMO := runs/demo
 STAMP := $(VENV)/.kvstreams-installed
 
-.PHONY: install demo test test-slow test-all lint clean
+.PHONY: install demo verify test test-slow test-all lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,18 +24,22 @@ $(DEMO)/models/tiny-qwen3/config.json: | $(STAMP)
 $(DEMO)/models/tiny-llama/config.json: | $(STAMP)
 	$(BIN)/kvstreams tiny-model --arch llama --out $(DEMO)/models/tiny-llama
 
-# Until the trainer lands, the main job checks the core claim on fresh tiny models: the learner's
-# replay reproduces the sampler's log-probs for every eviction policy and every compaction strategy
-# (multi-turn episodes in stream mode), the dense learner does not; then it compares the three modes.
-demo: $(STAMP) $(DEMO)/models/tiny-qwen3/config.json $(DEMO)/models/tiny-llama/config.json
+$(DEMO)/models/tiny-qwen3-sft/config.json: $(DEMO)/models/tiny-qwen3/config.json configs/demo.toml
+	$(BIN)/kvstreams sft --config configs/demo.toml
+
+# The main job: SFT warm start (cached once made) of the tiny qwen3 model on `memory`, then
+# synchronous GRPO with stream compaction and the shadow track, on CPU.
+demo: $(STAMP) $(DEMO)/models/tiny-qwen3-sft/config.json
+	rm -rf $(DEMO)/train
+	$(BIN)/kvstreams train --config configs/demo.toml
+
+# The core claim on fresh tiny models: the learner's replay reproduces the sampler's log-probs for
+# every eviction policy and every compaction strategy, the dense learner does not.
+verify: $(STAMP) $(DEMO)/models/tiny-qwen3/config.json $(DEMO)/models/tiny-llama/config.json
 	$(BIN)/kvstreams verify --model $(DEMO)/models/tiny-qwen3 --json $(DEMO)/verify-qwen3.json
 	$(BIN)/kvstreams verify --model $(DEMO)/models/tiny-llama --json $(DEMO)/verify-llama.json
 	$(BIN)/kvstreams verify --model $(DEMO)/models/tiny-qwen3 --env memory --json $(DEMO)/verify-memory.json
 	$(BIN)/kvstreams verify --model $(DEMO)/models/tiny-qwen3 --env textworld --episodes 2 --json $(DEMO)/verify-textworld.json
-	for mode in stream reprefill; do \
-	  $(BIN)/kvstreams rollout --model $(DEMO)/models/tiny-qwen3 --env memory --strategy sliding_window \
-	    --mode $$mode --episodes 4 --out $(DEMO)/rollout-$$mode || exit 1; done
-	$(BIN)/kvstreams rollout --model $(DEMO)/models/tiny-qwen3 --env memory --mode full --episodes 4 --out $(DEMO)/rollout-full
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -48,7 +48,7 @@ def test_memory_expert_wins_and_forgetful_agent_loses():
     facts = env.state_text().split()
     for _ in range(6):
         env.step("<action>ok</action>")
-    assert env.step(f"<action>{facts[0]} color=none</action>").reward == pytest.approx(1 / 3)
+    assert env.step(f"<action>{facts[0]} room=none</action>").reward == pytest.approx(1 / 3)
 
 
 def test_memory_facts_arrive_after_the_protected_head():

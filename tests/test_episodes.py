@@ -79,9 +79,7 @@ def test_reprefill_segments_replay_exactly_and_are_counted(qwen, strategy):
 
 
 def test_reprefill_cost_matches_the_closed_form_on_a_long_episode(qwen):
-    _, stats = run(
-        qwen, "sliding_window", "reprefill", n=1, env_kwargs={"n_turns": 40, "max_turns": 60}
-    )
+    _, stats = run(qwen, "sliding_window", "reprefill", n=1, env_kwargs={"n_turns": 40, "max_turns": 60})
     assert stats.compactions >= 20
     new_tokens = stats.tokens_forwarded - stats.tokens_reprefilled
     predicted = reprefill_closed_form(new_tokens, stats.retained_mean, stats.context_at_compaction_mean)

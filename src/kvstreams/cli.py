@@ -201,6 +201,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="write the reports to this JSON file")
     p.set_defaults(no_stop=True)  # verification wants full-length sequences, whatever the model's EOS habits
 
+    p = sub.add_parser("train", help="RL training (GRPO on one-trace replay) from a TOML config")
+    p.add_argument("--config", default=None, help="TOML file (default: built-in defaults)")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. train.steps=4"
+    )
+    p.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
+
+    p = sub.add_parser("sft", help="warm-start a model on an environment's expert demonstrations")
+    p.add_argument("--config", default=None)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+
+    p = sub.add_parser("config", help="configuration tools")
+    p.add_argument("action", choices=["show"])
+    p.add_argument("--config", default=None)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+
     p = sub.add_parser("inspect", help="validate trace files and summarise them")
     p.add_argument("traces", nargs="+")
     return parser
@@ -580,11 +596,65 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    from rich.table import Table
+
+    from kvstreams.train.config import load_config
+    from kvstreams.train.loop import train
+
+    cfg = load_config(args.config, args.set)
+    _quiet_transformers()
+    summary = train(cfg, resume=args.resume)
+    table = Table(
+        title=f"kvstreams train: {cfg.rollout.env}, {cfg.rollout.strategy or cfg.rollout.policy} "
+        f"({cfg.rollout.mode}), correction {cfg.loss.correction}"
+    )
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    before, after = summary.get("eval_before") or {}, summary.get("eval_after") or {}
+    for key in ("eval/reward_mean", "eval/reward_greedy"):
+        if key in before:
+            table.add_row(f"{key} before RL", f"{before[key]:.3f}")
+        if key in after:
+            table.add_row(f"{key} after RL", f"{after[key]:.3f}")
+    if summary.get("mismatch_kl_mean") is not None:
+        table.add_row("mismatch/kl (mean over steps)", f"{summary['mismatch_kl_mean']:.2e}")
+    table.add_row("tokens forwarded (rollouts)", f"{summary['tokens_forwarded']:,.0f}")
+    table.add_row("re-prefill would have forwarded", f"{summary['tokens_reprefill_equivalent']:,.0f}")
+    _console().print(table)
+    print(f"run directory: {cfg.train.out_dir} (metrics.jsonl, tensorboard/, *.png, checkpoints/)")
+    return 0
+
+
+def cmd_sft(args) -> int:
+    from kvstreams.train.config import load_config
+    from kvstreams.train.sft import sft
+
+    cfg = load_config(args.config, args.set)
+    _quiet_transformers()
+    summary = sft(cfg)
+    print(
+        f"sft: {summary['demonstrations']} demonstrations, loss {summary['loss_first']:.3f} -> "
+        f"{summary['loss_last']:.3f}, model written to {summary['out']}"
+    )
+    return 0
+
+
+def cmd_config(args) -> int:
+    from kvstreams.train.config import load_config, to_toml
+
+    print(to_toml(load_config(args.config, args.set)))
+    return 0
+
+
 COMMANDS = {
     "tiny-model": cmd_tiny_model,
     "rollout": cmd_rollout,
     "verify": cmd_verify,
     "inspect": cmd_inspect,
+    "train": cmd_train,
+    "sft": cmd_sft,
+    "config": cmd_config,
 }
 
 

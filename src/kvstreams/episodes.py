@@ -164,18 +164,24 @@ class EpisodeRunner:
         seeds: Sequence[int],
         on_step: Callable[[int, StreamSession], None] | None = None,
         progress: Callable[[int], None] | None = None,
+        sample_seeds: Sequence[int] | None = None,
     ) -> tuple[list[EpisodeResult], RolloutStats]:
-        """Run one episode per (environment, seed), all batched together."""
+        """Run one episode per (environment, seed), all batched together.
+
+        ``seeds`` seed the environments; ``sample_seeds`` (default: the same) seed each episode's
+        sampling, so a GRPO group plays one task with different samples.
+        """
         if len(envs) != len(seeds) or not envs:
             raise KVStreamsError("need one seed per environment, and at least one episode")
+        sample_seeds = list(seeds) if sample_seeds is None else list(sample_seeds)
         start = time.perf_counter()
         if self.strategy is not None:
             self.strategy = self.strategy.with_budget(envs[0].context_budget)
         self.session = session = StreamSession(self.model, len(envs))
         self.tokens_filler = 0
         episodes = [
-            Episode(i, s, env, torch.Generator().manual_seed(self.sampling.seed * 1_000_003 + s))
-            for i, (env, s) in enumerate(zip(envs, seeds, strict=True))
+            Episode(i, s, env, torch.Generator().manual_seed(self.sampling.seed * 1_000_003 + ss))
+            for i, (env, s, ss) in enumerate(zip(envs, seeds, sample_seeds, strict=True))
         ]
         for ep in episodes:
             try:

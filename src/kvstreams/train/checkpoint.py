@@ -1,0 +1,111 @@
+"""Checkpoints: model and optimizer as safetensors (no pickle), RNG states, step and config as JSON.
+
+Each checkpoint is a directory ``step-000012/`` written as a temporary directory and renamed into
+place, so a process killed at any moment leaves either the previous checkpoints or a complete new
+one, never a corrupt one. The last ``keep_last`` are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, load_model, save_file, save_model
+
+from kvstreams.errors import KVStreamsError
+
+PREFIX = "step-"
+
+
+def _flatten_optimizer(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    state = optimizer.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for index, values in state["state"].items():
+        for name, value in values.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{index}.{name}"] = value.detach().cpu().contiguous()
+            else:
+                scalars.setdefault(str(index), {})[name] = value
+    return tensors, {"param_groups": state["param_groups"], "scalars": scalars}
+
+
+def _unflatten_optimizer(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in tensors.items():
+        index, name = key.split(".", 1)
+        state.setdefault(int(index), {})[name] = value
+    for index, values in meta["scalars"].items():
+        state.setdefault(int(index), {}).update(values)
+    return {"state": state, "param_groups": meta["param_groups"]}
+
+
+def save_checkpoint(
+    out_dir: str | Path,
+    step: int,
+    model,
+    optimizer,
+    scheduler,
+    config: dict[str, Any],
+    keep_last: int,
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    final = out / f"{PREFIX}{step:06d}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=out))
+    try:
+        save_model(model, str(tmp / "model.safetensors"))
+        opt_tensors, opt_meta = _flatten_optimizer(optimizer)
+        save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
+        save_file({"torch_cpu": torch.get_rng_state()}, str(tmp / "rng.safetensors"))
+        state = {
+            "step": step,
+            "optimizer": opt_meta,
+            "scheduler": scheduler.state_dict(),
+            "python_random": random.getstate()[1],
+            "config": config,
+            **(extra or {}),
+        }
+        (tmp / "state.json").write_text(json.dumps(state, default=_jsonable))
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for old in sorted(out.glob(f"{PREFIX}*"))[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    raise TypeError(type(value))
+
+
+def latest_checkpoint(out_dir: str | Path) -> Path | None:
+    found = sorted(p for p in Path(out_dir).glob(f"{PREFIX}*") if (p / "state.json").is_file())
+    return found[-1] if found else None
+
+
+def load_checkpoint(path: str | Path, model, optimizer, scheduler) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        state = json.loads((path / "state.json").read_text())
+        load_model(model, str(path / "model.safetensors"), strict=True)
+        optimizer.load_state_dict(
+            _unflatten_optimizer(load_file(str(path / "optimizer.safetensors")), state["optimizer"])
+        )
+        scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(load_file(str(path / "rng.safetensors"))["torch_cpu"])
+    except (OSError, KeyError, ValueError, RuntimeError) as err:
+        raise KVStreamsError(f"cannot resume from {path}: {type(err).__name__}: {err}") from None
+    random.setstate((3, tuple(state["python_random"]), None))
+    return state

@@ -1,0 +1,197 @@
+"""Training configuration: TOML files validated by pydantic.
+
+Unknown keys, wrong types and impossible combinations are one clear error before any work starts.
+``kvstreams config show --config FILE [--set key=value]`` prints the resolved configuration.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from kvstreams.errors import KVStreamsError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(_Section):
+    path: str = "runs/demo/models/tiny-qwen3-sft"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    device: str = "cpu"
+    reference: str | None = None  # frozen reference for the KL term; default: the starting weights
+
+
+class RolloutSection(_Section):
+    env: str = "memory"
+    env_args: dict[str, Any] = Field(default_factory=dict)
+    strategy: str | None = "markovian"  # compaction for multi-turn environments
+    strategy_args: dict[str, Any] = Field(default_factory=dict)
+    mode: Literal["stream", "reprefill", "full"] = "stream"
+    policy: str | None = None  # KV compression while sampling (single-turn environments)
+    policy_args: dict[str, Any] = Field(default_factory=dict)
+    prompts_per_step: int = Field(2, ge=1)
+    group_size: int = Field(8, ge=2, description="K rollouts per prompt (GRPO group)")
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    max_reply_tokens: int = Field(48, ge=1)
+    max_new_tokens: int = Field(256, ge=1, description="single-turn environments")
+    block_size: int = Field(1, ge=1)
+
+
+class LossSection(_Section):
+    correction: Literal["shadow", "naive", "tis", "sparse_rl", "reprefill"] = "shadow"
+    clip_low: float = Field(0.2, ge=0, lt=1)
+    clip_high: float = Field(0.28, ge=0)
+    aggregation: Literal["token", "sequence"] = "token"
+    normalize_std: bool = True  # False: Dr. GRPO
+    kl_coef: float = Field(0.0, ge=0)
+    entropy_coef: float = Field(0.0, ge=0)
+    distill_coef: float = Field(0.1, ge=0, description="lambda of the SMD dense-to-shadow KL track")
+    tis_low: float = Field(0.8, gt=0)
+    tis_high: float = Field(1.2, gt=0)
+    reject_fraction: float = Field(0.2, ge=0, lt=1)
+
+
+class OptimSection(_Section):
+    lr: float = Field(2e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    updates_per_batch: int = Field(1, ge=1, description="optimizer steps on each batch against pi_old")
+    micro_batch_tokens: int = Field(8192, ge=64)
+    packed: bool = Field(
+        False,
+        description="pack traces in one row (worth it with the flex backend; "
+        "with SDPA the dense mask is quadratic in the row length, so pad one trace per row)",
+    )
+
+
+class TrainSection(_Section):
+    steps: int = Field(20, ge=1)
+    seed: int = 0
+    out_dir: str = "runs/train"
+    eval_every: int = Field(10, ge=0)
+    eval_episodes: int = Field(16, ge=1)
+    eval_seed: int = 1_000_000  # held-out seeds start here; training seeds are far below
+    checkpoint_every: int = Field(1, ge=1, description="1: a crash loses at most the step in flight")
+    keep_last: int = Field(2, ge=1)
+    asynchronous: bool = False
+    max_off_policy_steps: int = Field(3, ge=1)
+    backend: Literal["sdpa", "flex"] = "sdpa"
+    tensorboard: bool = True
+    plots: bool = True
+
+
+class SFTSection(_Section):
+    base: str = "runs/demo/models/tiny-qwen3"
+    out: str = "runs/demo/models/tiny-qwen3-sft"
+    episodes: int = Field(64, ge=1)
+    steps: int = Field(200, ge=1)
+    batch_size: int = Field(8, ge=1)
+    lr: float = Field(3e-3, gt=0)
+    seed: int = 0
+
+
+class Config(_Section):
+    model: ModelSection = Field(default_factory=ModelSection)
+    rollout: RolloutSection = Field(default_factory=RolloutSection)
+    loss: LossSection = Field(default_factory=LossSection)
+    optim: OptimSection = Field(default_factory=OptimSection)
+    train: TrainSection = Field(default_factory=TrainSection)
+    sft: SFTSection = Field(default_factory=SFTSection)
+
+    @model_validator(mode="after")
+    def _combinations(self) -> Config:
+        r, loss = self.rollout, self.loss
+        if r.policy and r.strategy and r.env != "gsm8k":
+            raise ValueError(
+                "rollout.policy (compression) and rollout.strategy (compaction) cannot be combined yet"
+            )
+        if loss.correction == "reprefill" and r.mode != "reprefill":
+            raise ValueError(
+                "loss.correction = 'reprefill' trains re-prefill segments: set rollout.mode = 'reprefill'"
+            )
+        if r.mode == "reprefill" and loss.correction != "reprefill":
+            raise ValueError("rollout.mode = 'reprefill' gives segments: set loss.correction = 'reprefill'")
+        if r.mode != "full" and r.env != "gsm8k" and not r.strategy:
+            raise ValueError(f"rollout.mode = {r.mode!r} needs rollout.strategy")
+        if loss.tis_low > loss.tis_high:
+            raise ValueError("loss.tis_low must not exceed loss.tis_high")
+        if self.train.asynchronous and r.mode == "reprefill":
+            raise ValueError("asynchronous training is implemented for stream and full modes")
+        return self
+
+
+def _set(data: dict[str, Any], dotted: str, raw: str) -> None:
+    keys = dotted.split(".")
+    node = data
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise KVStreamsError(f"--set {dotted}: {key} is not a section")
+    try:
+        value: Any = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # a bare string
+    node[keys[-1]] = value
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """Read a TOML file (or start from defaults), apply ``key=value`` overrides, validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise KVStreamsError(f"config file {str(p)!r} does not exist")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as err:
+            raise KVStreamsError(f"{p}: invalid TOML: {err}") from None
+    for item in overrides or []:
+        if "=" not in item:
+            raise KVStreamsError(f"--set takes key=value, got {item!r}")
+        key, raw = item.split("=", 1)
+        _set(data, key.strip(), raw.strip())
+    try:
+        return Config.model_validate(data)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(x) for x in first["loc"]) or "config"
+        message = first["msg"].removeprefix("Value error, ")
+        more = f" (and {err.error_count() - 1} more)" if err.error_count() > 1 else ""
+        raise KVStreamsError(f"bad config: {where}: {message}{more}") from None
+
+
+def to_toml(config: Config) -> str:
+    """The resolved configuration as TOML (None values left out: TOML has no null)."""
+    lines: list[str] = []
+    for section, values in config.model_dump().items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            if value is None:
+                lines.append(f"# {key} = (unset)")
+            else:
+                lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(type(value))

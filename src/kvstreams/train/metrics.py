@@ -1,0 +1,85 @@
+"""Run metrics: JSONL per step (``metrics.jsonl``), TensorBoard event files, PNG plots at the end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+PLOTS = {
+    "reward.png": ("reward", ["reward/mean", "eval/reward_mean", "eval/reward_greedy"]),
+    "mismatch.png": ("sampler vs learner", ["mismatch/kl", "mismatch/abs_logprob_diff_max"]),
+    "kv.png": ("KV cache", ["kv/peak_bytes"]),
+    "tokens.png": (
+        "tokens",
+        ["tokens/forwarded", "tokens/trace", "tokens/reprefilled", "tokens/reprefill_equivalent"],
+    ),
+}
+
+
+class MetricsLog:
+    def __init__(self, out_dir: str | Path, tensorboard: bool = True, keep_until: int | None = None) -> None:
+        self.dir = Path(out_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / "metrics.jsonl"
+        if keep_until is not None and self.path.exists():  # resuming: drop rows after the checkpoint
+            rows = [r for r in self.read() if r["step"] <= keep_until]
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        elif keep_until is None and self.path.exists():
+            self.path.unlink()
+        self.writer = None
+        if tensorboard:
+            try:
+                from tensorboardX import SummaryWriter
+
+                self.writer = SummaryWriter(str(self.dir / "tensorboard"))
+            except ImportError:  # optional: metrics.jsonl and the plots carry the same figures
+                self.writer = None
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        row = {"step": step, **{k: v for k, v in metrics.items() if isinstance(v, int | float)}}
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.writer is not None:
+            for key, value in row.items():
+                if key != "step":
+                    self.writer.add_scalar(key, value, step)
+            self.writer.flush()
+
+    def read(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+    def plot(self) -> list[Path]:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        rows = self.read()
+        written = []
+        for name, (title, keys) in PLOTS.items():
+            fig, ax = plt.subplots(figsize=(6, 3.5))
+            drawn = False
+            for key in keys:
+                points = [(r["step"], r[key]) for r in rows if key in r]
+                if points:
+                    xs, ys = zip(*points, strict=True)
+                    ax.plot(xs, ys, marker="o", markersize=3, label=key)
+                    drawn = True
+            if drawn:
+                ax.set_title(title)
+                ax.set_xlabel("step")
+                ax.grid(alpha=0.3)
+                ax.legend(fontsize=8)
+                fig.tight_layout()
+                path = self.dir / name
+                fig.savefig(path, dpi=110)
+                written.append(path)
+            plt.close(fig)
+        return written

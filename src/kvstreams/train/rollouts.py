@@ -1,0 +1,138 @@
+"""Rollout batches for the learner: K episodes per prompt (a GRPO group), from the engine.
+
+Multi-turn environments run through :class:`~kvstreams.episodes.EpisodeRunner` (with compaction in
+``stream``, ``reprefill`` or ``full`` mode); single-turn ones (``gsm8k``, or any run with a KV
+compression ``policy``) through :class:`~kvstreams.engine.RolloutEngine`. Seeds are a function of
+(run seed, step), so a resumed run replays exactly the rollouts it would have made.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstreams.chat import ChatFormat
+from kvstreams.compaction import make_strategy
+from kvstreams.engine import RolloutEngine, SamplingParams
+from kvstreams.engine.stream import StreamSession
+from kvstreams.envs import make_env
+from kvstreams.episodes import EpisodeRunner, RolloutStats
+from kvstreams.policies import make_policy
+from kvstreams.trace import Trace
+from kvstreams.train.config import Config
+
+
+@dataclass
+class Sample:
+    """One trainable trace; an episode in re-prefill mode gives several, sharing its reward."""
+
+    trace: Trace
+    group: int
+    episode: int
+    reward: float
+    advantage: float = 0.0
+
+
+@dataclass
+class RolloutBatch:
+    samples: list[Sample]
+    rewards: list[float]  # per episode, groups contiguous
+    stats: RolloutStats
+    version: int = 0  # weights version the batch started with
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def single_turn(cfg: Config) -> bool:
+    return cfg.rollout.env == "gsm8k" or cfg.rollout.policy is not None
+
+
+class RolloutSource:
+    """Makes rollout and evaluation batches with a given model (the learner's, or a rollout copy)."""
+
+    def __init__(self, model, tokenizer, cfg: Config) -> None:
+        self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
+        self.chat = ChatFormat(tokenizer)
+
+    def _sampling(self, seed: int, greedy: bool = False) -> SamplingParams:
+        r = self.cfg.rollout
+        return SamplingParams(
+            max_new_tokens=r.max_new_tokens,
+            temperature=0.0 if greedy else r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            seed=seed,
+        )
+
+    def collect(
+        self,
+        step: int,
+        on_step: Callable[[int, StreamSession], None] | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> RolloutBatch:
+        r = self.cfg.rollout
+        base = self.cfg.train.seed * 1_000 + step * r.prompts_per_step  # training env seeds stay < eval_seed
+        env_seeds = [base + p for p in range(r.prompts_per_step) for _ in range(r.group_size)]
+        sample_seeds = [self.cfg.train.seed * 7_919 + step * 100_003 + i for i in range(len(env_seeds))]
+        groups = [p for p in range(r.prompts_per_step) for _ in range(r.group_size)]
+        return self._run(
+            env_seeds, sample_seeds, groups, greedy=False, mode=r.mode, on_step=on_step, progress=progress
+        )
+
+    def evaluate(self, n: int, greedy: bool) -> float:
+        """Mean reward on held-out seeds (never used for training)."""
+        seeds = [self.cfg.train.eval_seed + i for i in range(n)]
+        mode = self.cfg.rollout.mode if self.cfg.rollout.mode != "reprefill" else "stream"
+        batch = self._run(seeds, seeds, list(range(n)), greedy=greedy, mode=mode)
+        return sum(batch.rewards) / len(batch.rewards)
+
+    def _run(
+        self, env_seeds, sample_seeds, groups, greedy, mode, on_step=None, progress=None
+    ) -> RolloutBatch:
+        r = self.cfg.rollout
+        envs = [make_env(r.env, **r.env_args) for _ in env_seeds]
+        if single_turn(self.cfg):
+            return self._single_turn(envs, env_seeds, sample_seeds, groups, greedy, progress)
+        strategy = make_strategy(r.strategy, **r.strategy_args) if r.strategy and mode != "full" else None
+        runner = EpisodeRunner(
+            self.model,
+            self.tokenizer,
+            strategy,
+            mode=mode,
+            sampling=self._sampling(0, greedy),
+            block_size=r.block_size,
+            max_reply_tokens=r.max_reply_tokens,
+        )
+        results, stats = runner.run(
+            envs, env_seeds, on_step=on_step, progress=progress, sample_seeds=sample_seeds
+        )
+        samples = [
+            Sample(t, groups[res.episode], res.episode, res.reward) for res in results for t in res.traces
+        ]
+        return RolloutBatch(samples, [res.reward for res in results], stats)
+
+    def _single_turn(self, envs, env_seeds, sample_seeds, groups, greedy, progress) -> RolloutBatch:
+        r = self.cfg.rollout
+        policy = make_policy(r.policy or "full", **r.policy_args)
+        prompts = [
+            self.chat.head(env.reset(s)) + self.chat.assistant_header()
+            for env, s in zip(envs, env_seeds, strict=True)
+        ]
+        engine = RolloutEngine(self.model, self.tokenizer, policy)
+        traces = engine.generate(prompts, self._sampling(sample_seeds[0], greedy), progress=progress)
+        rewards = []
+        for env, trace in zip(envs, traces, strict=True):
+            reply = trace.tokens[trace.sampled_mask].tolist()
+            rewards.append(float(env.step(self.chat.decode(reply)).reward))
+        stats = RolloutStats(
+            episodes=len(traces),
+            tokens_forwarded=sum(len(t) - 1 for t in traces),
+            tokens_trace=sum(len(t) for t in traces),
+            kv_peak_bytes=engine.last_stats.kv_bytes_allocated,
+            kv_peak_entries=engine.last_stats.kv_capacity,
+            reward_mean=sum(rewards) / len(rewards),
+        )
+        samples = [
+            Sample(t, g, i, rw) for i, (t, g, rw) in enumerate(zip(traces, groups, rewards, strict=True))
+        ]
+        return RolloutBatch(samples, rewards, stats)

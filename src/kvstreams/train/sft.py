@@ -1,0 +1,102 @@
+"""``kvstreams sft``: warm-start a model on an environment's expert demonstrations.
+
+Demonstrations are whole episodes played by the environment's expert, rendered token-in/token-out
+exactly like rollouts (the expert's replies are the assistant turns, with the loss on them only).
+A tiny random model learns the format and the habit the expert shows (for ``memory``: carrying the
+facts in every reply), so RL on CPU starts from a policy that earns some reward.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvstreams.chat import ChatFormat
+from kvstreams.envs import make_env
+from kvstreams.errors import KVStreamsError
+from kvstreams.models import load_model
+from kvstreams.train.config import Config
+
+
+def demonstrations(
+    tokenizer, env_name: str, env_args: dict[str, Any], episodes: int, seed: int
+) -> list[tuple[list[int], list[bool]]]:
+    """(tokens, loss mask) per expert episode."""
+    chat = ChatFormat(tokenizer)
+    out = []
+    for i in range(episodes):
+        env = make_env(env_name, **env_args)
+        tokens = chat.head(env.reset(seed + i))
+        mask = [False] * len(tokens)
+        for _ in range(env.max_turns):
+            try:
+                reply = env.expert_reply()
+            except NotImplementedError:
+                raise KVStreamsError(f"environment {env_name!r} has no expert to learn from") from None
+            header = chat.assistant_header()
+            body = [*chat.encode(reply), chat.end_of_turn]
+            tokens += header + body
+            mask += [False] * len(header) + [True] * len(body)
+            result = env.step(reply)
+            if result.done:
+                break
+            following = chat.after_reply(result.messages)
+            tokens += following
+            mask += [False] * len(following)
+        env.close()
+        out.append((tokens, mask))
+    return out
+
+
+def sft(cfg: Config, show_progress: bool = True) -> dict[str, Any]:
+    s, r = cfg.sft, cfg.rollout
+    model, tokenizer = load_model(s.base, dtype="float32", device=cfg.model.device)
+    demos = demonstrations(tokenizer, r.env, r.env_args, s.episodes, s.seed)
+    rng = random.Random(s.seed)
+    torch.manual_seed(s.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1.0 - k / s.steps)
+    device = next(model.parameters()).device
+    pad = tokenizer.pad_token_id or 0
+    losses = []
+    model.train()
+    for step in range(s.steps):
+        chosen = [demos[rng.randrange(len(demos))] for _ in range(s.batch_size)]
+        width = max(len(t) for t, _ in chosen)
+        ids = torch.full((len(chosen), width), pad, dtype=torch.long)
+        labels = torch.full((len(chosen), width), -100, dtype=torch.long)
+        attention = torch.zeros((len(chosen), width), dtype=torch.long)
+        for b, (tokens, mask) in enumerate(chosen):
+            ids[b, : len(tokens)] = torch.tensor(tokens)
+            attention[b, : len(tokens)] = 1
+            labels[b, : len(tokens)] = torch.where(torch.tensor(mask), torch.tensor(tokens), -100)
+        out = model(input_ids=ids.to(device), attention_mask=attention.to(device), labels=labels.to(device))
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(out.loss.item())
+        if show_progress and (step + 1) % max(1, s.steps // 10) == 0:
+            print(
+                f"sft step {step + 1}/{s.steps}  loss {sum(losses[-10:]) / len(losses[-10:]):.4f}", flush=True
+            )
+    model.eval()
+    path = Path(s.out)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    summary = {
+        "base": s.base,
+        "out": str(path),
+        "demonstrations": len(demos),
+        "steps": s.steps,
+        "loss_first": losses[0],
+        "loss_last": sum(losses[-10:]) / len(losses[-10:]),
+    }
+    (path / "sft.json").write_text(json.dumps(summary, indent=2))
+    return summary
