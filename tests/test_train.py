@@ -255,3 +255,33 @@ def test_sft_learns_the_expert(model_dirs, tmp_path, qwen):
     summary = sft(cfg, show_progress=False)
     assert summary["loss_last"] < summary["loss_first"] / 3
     load_model(tmp_path / "sft")
+
+
+def test_grpo_updates_favour_rewarded_episodes(qwen, model_dirs, tmp_path):
+    """Rewards are set by hand on real rollouts: after a few updates the log-prob of the rewarded
+    episodes rises and that of the others falls."""
+    from kvstreams.replay import replay_logprobs
+    from kvstreams.train.learner import trained_positions
+
+    model, tok = qwen
+    cfg = small_config(
+        model_dirs["qwen3"], tmp_path, **{"loss.distill_coef": 0, "optim.updates_per_batch": 3}
+    )
+    batch = RolloutSource(model, tok, cfg).collect(step=0)
+    batch.rewards = [1.0, 0.0, 1.0, 0.0]
+
+    def sequence_logp() -> list[float]:
+        lps = replay_logprobs(model, [s.trace for s in batch.samples])
+        return [float(lp[trained_positions(s)].sum()) for lp, s in zip(lps, batch.samples, strict=True)]
+
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    try:
+        before = sequence_logp()
+        Learner(model, cfg).step(batch)
+        after = sequence_logp()
+    finally:
+        model.load_state_dict(state)
+    deltas = [a - b for a, b in zip(after, before, strict=True)]
+    rewarded = [d for d, s in zip(deltas, batch.samples, strict=True) if batch.rewards[s.episode] > 0]
+    others = [d for d, s in zip(deltas, batch.samples, strict=True) if batch.rewards[s.episode] == 0]
+    assert min(rewarded) > 0 > max(others)
