@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -31,3 +33,14 @@ def random_prompts(n: int, lengths: int | list[int], seed: int = 0, vocab: int =
     if isinstance(lengths, int):
         lengths = [lengths] * n
     return [torch.randint(5, vocab, (length,), generator=g).tolist() for length in lengths]
+
+
+# The project's shared data sits beside the repository (CI lays a copy of shared/ there).
+GSM8K = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k" / "test.jsonl"
+
+
+@pytest.fixture(scope="session")
+def gsm8k_path() -> str:
+    if not GSM8K.is_file():
+        pytest.skip(f"GSM8K copy not found at {GSM8K}")
+    return str(GSM8K)

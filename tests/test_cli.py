@@ -218,7 +218,7 @@ def test_episode_rollouts_write_traces_and_summary(model_dirs, tmp_path):
     assert [p.name for p in out.glob("*.safetensors")] == ["episode-00000.safetensors"]
 
 
-def test_single_turn_env_rollout_reports_rewards(model_dirs, tmp_path):
+def test_single_turn_env_rollout_reports_rewards(model_dirs, tmp_path, gsm8k_path):
     out = tmp_path / "gsm"
     rc = run(
         [
@@ -228,7 +228,7 @@ def test_single_turn_env_rollout_reports_rewards(model_dirs, tmp_path):
             "--env",
             "gsm8k",
             "--env-arg",
-            "path=../shared/data/gsm8k/test.jsonl",
+            f"path={gsm8k_path}",
             "--policy",
             "h2o",
             "--episodes",

@@ -9,8 +9,6 @@ from kvstreams.envs import ENVIRONMENTS, make_env, parse_action
 from kvstreams.envs.gsm8k import extract_answer
 from kvstreams.errors import KVStreamsError
 
-GSM8K = "../shared/data/gsm8k/test.jsonl"
-
 
 def play(env, seed: int, reply_fn) -> tuple[float, int, dict]:
     env.reset(seed)
@@ -71,8 +69,8 @@ def test_memory_is_seeded():
     assert a.state_text() != b.state_text()
 
 
-def test_gsm8k_scores_exact_numbers():
-    env = make_env("gsm8k", path=GSM8K)
+def test_gsm8k_scores_exact_numbers(gsm8k_path):
+    env = make_env("gsm8k", path=gsm8k_path)
     messages = env.reset(0)
     assert messages[-1]["role"] == "user" and len(messages[-1]["content"]) > 20
     assert env.step(env.expert_reply()).reward == 1.0
