@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from kvstreams.errors import KVStreamsError
+from kvstreams.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -85,28 +86,10 @@ class CompactionStrategy:
         return {"strategy": self.name, **dataclasses.asdict(self)}
 
 
-STRATEGIES: dict[str, type[CompactionStrategy]] = {}
-
-
-def register(name: str):
-    def wrap(cls: type[CompactionStrategy]) -> type[CompactionStrategy]:
-        cls.name = name
-        STRATEGIES[name] = cls
-        return cls
-
-    return wrap
+_REGISTRY: Registry[CompactionStrategy] = Registry("compaction strategy")
+STRATEGIES = _REGISTRY.entries
+register = _REGISTRY.register
 
 
 def make_strategy(name: str, **kwargs: Any) -> CompactionStrategy:
-    if name not in STRATEGIES:
-        raise KVStreamsError(
-            f"unknown compaction strategy {name!r}; available: {', '.join(sorted(STRATEGIES))}"
-        )
-    cls = STRATEGIES[name]
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(kwargs) - fields)
-    if unknown:
-        raise KVStreamsError(
-            f"strategy {name!r} has no option(s) {', '.join(unknown)}; it takes {', '.join(sorted(fields))}"
-        )
-    return cls(**{k: v for k, v in kwargs.items() if v is not None})
+    return _REGISTRY.make(name, **kwargs)

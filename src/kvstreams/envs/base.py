@@ -15,12 +15,11 @@ Adding an environment is one file::
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
-from kvstreams.errors import KVStreamsError
+from kvstreams.registry import Registry
 
 Message = dict[str, str]
 
@@ -54,29 +53,13 @@ class Environment:
         return None
 
 
-ENVIRONMENTS: dict[str, type[Environment]] = {}
-
-
-def register(name: str):
-    def wrap(cls: type[Environment]) -> type[Environment]:
-        cls.name = name
-        ENVIRONMENTS[name] = cls
-        return cls
-
-    return wrap
+_REGISTRY: Registry[Environment] = Registry("environment")
+ENVIRONMENTS = _REGISTRY.entries
+register = _REGISTRY.register
 
 
 def make_env(name: str, **kwargs: Any) -> Environment:
-    if name not in ENVIRONMENTS:
-        raise KVStreamsError(f"unknown environment {name!r}; available: {', '.join(sorted(ENVIRONMENTS))}")
-    cls = ENVIRONMENTS[name]
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(kwargs) - fields)
-    if unknown:
-        raise KVStreamsError(
-            f"environment {name!r} has no option(s) {', '.join(unknown)}; it takes {', '.join(sorted(fields))}"
-        )
-    return cls(**kwargs)
+    return _REGISTRY.make(name, **kwargs)
 
 
 _ACTION = re.compile(r"<action>(.*?)</action>", re.DOTALL)

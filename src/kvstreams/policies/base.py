@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvstreams.errors import KVStreamsError
+from kvstreams.registry import Registry
 
 
 @dataclass
@@ -122,16 +123,9 @@ class EvictionPolicy:
         return {"policy": self.name, **dataclasses.asdict(self)}
 
 
-POLICIES: dict[str, type[EvictionPolicy]] = {}
-
-
-def register(name: str):
-    def wrap(cls: type[EvictionPolicy]) -> type[EvictionPolicy]:
-        cls.name = name
-        POLICIES[name] = cls
-        return cls
-
-    return wrap
+_REGISTRY: Registry[EvictionPolicy] = Registry("policy")
+POLICIES = _REGISTRY.entries
+register = _REGISTRY.register
 
 
 def parse_budget(text: str) -> float | int:
@@ -151,16 +145,7 @@ def parse_budget(text: str) -> float | int:
 
 def make_policy(name: str, **kwargs: Any) -> EvictionPolicy:
     """Build a registered policy by name; unknown names and fields are clear errors."""
-    if name not in POLICIES:
-        raise KVStreamsError(f"unknown policy {name!r}; available: {', '.join(sorted(POLICIES))}")
-    cls = POLICIES[name]
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(kwargs) - fields)
-    if unknown:
-        raise KVStreamsError(
-            f"policy {name!r} has no option(s) {', '.join(unknown)}; it takes {', '.join(sorted(fields))}"
-        )
-    return cls(**{k: v for k, v in kwargs.items() if v is not None})
+    return _REGISTRY.make(name, **kwargs)
 
 
 def sequence_order_pool(
