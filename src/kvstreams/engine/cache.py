@@ -46,10 +46,6 @@ class SlotCache:
         """Bytes allocated for K and V (what the budget bounds)."""
         return 2 * self.keys.numel() * self.keys.element_size()
 
-    def live_counts(self, layer: int = 0) -> torch.Tensor:
-        """[B, H] live entries per KV head."""
-        return (self.index[layer] >= 0).sum(-1)
-
     # --- writes ------------------------------------------------------------------------------------
     def store_prefill(
         self,

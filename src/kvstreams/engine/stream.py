@@ -157,9 +157,6 @@ class StreamSession:
             raise ValueError(f"cannot evict [{start}, {end}): only {rec.fed} tokens are in the cache")
         return self.cache.evict_range(row, start, end, at=rec.fed)
 
-    def live_entries(self, row: int) -> int:
-        return int((self.cache.index[0, row, 0] >= 0).sum())
-
     def restart(self, row: int, tokens: list[int], meta: dict[str, str]) -> Trace:
         """End the row's trace (returned) and start a new one holding ``tokens`` as context."""
         trace = self.trace(row, meta)
