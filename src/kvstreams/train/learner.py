@@ -17,6 +17,7 @@ corrections differ only in which visibility the learner uses and how the ratio i
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -81,7 +82,7 @@ class Learner:
         if o.schedule == "linear":
             return 1.0 - progress
         if o.schedule == "cosine":
-            return 0.5 * (1.0 + torch.cos(torch.tensor(progress * torch.pi)).item())
+            return 0.5 * (1.0 + math.cos(progress * math.pi))
         return 1.0
 
     @property
