@@ -128,24 +128,23 @@ class Learner:
 
         # --- behaviour policy, learner-at-start, reference, teacher (no grad) ---------------------
         mbs = micro_batches(samples, cfg.optim.micro_batch_tokens)
-        old, ref, teacher, first_logp = [], [], [], []
+        old, ref, teacher = [], [], []
+        first_logp: list[tuple[torch.Tensor, torch.Tensor]] = []  # (learner before updating, sampler)
+        weighted = lc.correction in ("tis", "sparse_rl")
         with torch.no_grad():
             for mb in mbs:
                 sampler = torch.cat(
                     [s.trace.sampler_logprobs[p] for s, p in zip(mb.samples, mb.positions, strict=True)]
                 )
-                logits, packed = self._logits(self.model, mb, self.learner_mode)
-                rows, targets, _ = self._gather(logits, packed, mb)
-                start_logp = self._token_logp(rows, targets, temperature).cpu()
-                first_logp.append((start_logp, sampler))
-                if lc.correction in ("tis", "sparse_rl"):
-                    old.append(
-                        (
-                            start_logp,
-                            L.truncated_importance_weights(start_logp, sampler, lc.tis_low, lc.tis_high),
-                        )
-                    )
-                else:
+                if weighted:  # pi_old is the learner itself: one forward before any update
+                    logits, packed = self._logits(self.model, mb, self.learner_mode)
+                    rows, targets, _ = self._gather(logits, packed, mb)
+                    start_logp = self._token_logp(rows, targets, temperature).cpu()
+                    first_logp.append((start_logp, sampler))
+                    weights = L.truncated_importance_weights(start_logp, sampler, lc.tis_low, lc.tis_high)
+                    old.append((start_logp, weights))
+                    del logits
+                else:  # pi_old is the behaviour policy; the first update's forward gives the mismatch
                     old.append((sampler, torch.ones_like(sampler)))
                 if lc.kl_coef > 0 and self.reference is not None:
                     rl, rp = self._logits(self.reference, mb, self.learner_mode)
@@ -155,14 +154,6 @@ class Learner:
                     dl, dp = self._logits(self.model, mb, "dense")
                     drows, _, _ = self._gather(dl, dp, mb)
                     teacher.append(torch.log_softmax(drows.float() / temperature, dim=-1))
-                del logits
-
-        # --- mismatch between sampler and learner, before any update -------------------------------
-        learner_lp = torch.cat([a for a, _ in first_logp]) if first_logp else torch.zeros(0)
-        sampler_lp = torch.cat([b for _, b in first_logp]) if first_logp else torch.zeros(0)
-        d = (learner_lp - sampler_lp).double()
-        metrics["mismatch/kl"] = float((d.exp() - 1 - d).mean()) if d.numel() else 0.0
-        metrics["mismatch/abs_logprob_diff_max"] = float(d.abs().max()) if d.numel() else 0.0
 
         # --- Sparse-RL: reject the most deviated rollouts -----------------------------------------
         keep_samples = torch.ones(len(samples), dtype=torch.bool)
@@ -197,6 +188,8 @@ class Learner:
                 rows, targets, seq = self._gather(logits, packed, mb)
                 logp = self._token_logp(rows, targets, temperature)
                 old_lp, weight = (t.to(device) for t in old[i])
+                if update == 0 and not weighted:
+                    first_logp.append((logp.detach().cpu(), old[i][0]))
                 advantages = torch.cat(
                     [
                         torch.full((p.numel(),), s.advantage)
@@ -233,6 +226,12 @@ class Learner:
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.model.eval()
+        # mismatch between sampler and learner before any update (the shadow track's claim: ~0)
+        learner_lp = torch.cat([a for a, _ in first_logp]) if first_logp else torch.zeros(0)
+        sampler_lp = torch.cat([b for _, b in first_logp]) if first_logp else torch.zeros(0)
+        d = (learner_lp - sampler_lp).double()
+        metrics["mismatch/kl"] = float((d.exp() - 1 - d).mean()) if d.numel() else 0.0
+        metrics["mismatch/abs_logprob_diff_max"] = float(d.abs().max()) if d.numel() else 0.0
         updates = cfg.optim.updates_per_batch
         metrics.update({k: v / updates for k, v in sums.items()})
         metrics["ratio/first_update_max_abs_dev"] = ratio_dev
