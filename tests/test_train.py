@@ -91,17 +91,22 @@ def small_config(model_dir: str, tmp_path, **sets):
     return load_config(None, overrides)
 
 
+def learner_step_then_restore(model, cfg, batch) -> dict[str, float]:
+    """One learner step on the shared session model, which is put back as it was afterwards."""
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    try:
+        return Learner(model, cfg).step(batch)
+    finally:
+        model.load_state_dict(state)
+
+
 @pytest.mark.parametrize(("correction", "shadow_ratio"), [("shadow", True), ("naive", False)])
 def test_first_update_ratio_is_one_only_under_shadow(qwen, model_dirs, tmp_path, correction, shadow_ratio):
     model, tok = qwen
     cfg = small_config(model_dirs["qwen3"], tmp_path, **{"loss.correction": f'"{correction}"'})
     batch = RolloutSource(model, tok, cfg).collect(step=0)
     assert batch.stats.compactions > 0  # the rollouts really were compacted
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    try:
-        metrics = Learner(model, cfg).step(batch)
-    finally:
-        model.load_state_dict(state)
+    metrics = learner_step_then_restore(model, cfg, batch)
     if shadow_ratio:
         assert metrics["ratio/first_update_max_abs_dev"] < 1e-4
         assert metrics["mismatch/kl"] < 1e-9
@@ -119,11 +124,7 @@ def test_importance_weighted_baselines(qwen, model_dirs, tmp_path, correction):
         model_dirs["qwen3"], tmp_path, **{"loss.correction": f'"{correction}"', "rollout.group_size": 5}
     )
     batch = RolloutSource(model, tok, cfg).collect(step=0)
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    try:
-        metrics = Learner(model, cfg).step(batch)
-    finally:
-        model.load_state_dict(state)
+    metrics = learner_step_then_restore(model, cfg, batch)
     # pi_old is the learner's own dense log-prob: ratio 1 at the first update, weights do the correcting
     assert metrics["ratio/first_update_max_abs_dev"] < 1e-4
     assert metrics["rollout/discarded_frac"] == pytest.approx(0.2 if correction == "sparse_rl" else 0.0)
@@ -199,11 +200,7 @@ def test_reprefill_baseline_trains_segments(qwen, model_dirs, tmp_path):
     )
     batch = RolloutSource(model, tok, cfg).collect(step=0)
     assert len(batch.samples) > len(batch.rewards)  # several segments per episode
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    try:
-        metrics = Learner(model, cfg).step(batch)
-    finally:
-        model.load_state_dict(state)
+    metrics = learner_step_then_restore(model, cfg, batch)
     assert metrics["ratio/first_update_max_abs_dev"] < 1e-4
 
 

@@ -46,6 +46,31 @@ class Trace:
     metadata: dict[str, str] = field(default_factory=dict)
     policy_version: torch.Tensor | None = None
 
+    @classmethod
+    def from_record(
+        cls,
+        tokens: list[int],
+        death: torch.Tensor,
+        sampled: list[bool],
+        loss: list[bool],
+        logprobs: list[float],
+        versions: list[int],
+        metadata: dict[str, str],
+    ) -> Trace:
+        """A stream trace from what an engine recorded. ``death`` is the engine's [L, H, >= T] buffer,
+        whose never-evicted entries hold a sentinel above T; positions are the trace indices."""
+        T = len(tokens)
+        return cls(
+            tokens=torch.tensor(tokens, dtype=torch.long),
+            positions=torch.arange(T, dtype=torch.long),
+            death=compact_death(death[:, :, :T].clamp(max=T).cpu()),
+            sampled_mask=torch.tensor(sampled, dtype=torch.bool),
+            loss_mask=torch.tensor(loss, dtype=torch.bool),
+            sampler_logprobs=torch.tensor(logprobs, dtype=torch.float32),
+            policy_version=torch.tensor(versions, dtype=torch.int32),
+            metadata={"format": FORMAT, **metadata},
+        )
+
     # --- accessors --------------------------------------------------------------------------------
     def __len__(self) -> int:
         return int(self.tokens.shape[0])

@@ -29,7 +29,7 @@ from kvstreams.engine.sampling import SamplingParams, sample
 from kvstreams.errors import KVStreamsError
 from kvstreams.models import model_shape
 from kvstreams.policies import EntryView, EvictionPolicy, make_policy
-from kvstreams.trace import FORMAT, Trace, compact_death
+from kvstreams.trace import Trace
 
 _PREFILL_STAT_CHUNK = 256  # query rows per block when prefill attention statistics are needed
 
@@ -383,22 +383,16 @@ class RolloutEngine:
     ) -> Trace:
         length = len(tokens)
         assert death is not None
-        death = death[:, :, :length].clamp(max=length).cpu()
-        sampled = torch.zeros(length, dtype=torch.bool)
-        sampled[prompt_len:] = True
-        lp = torch.full((length,), math.nan, dtype=torch.float32)
-        lp[prompt_len:] = torch.tensor(logprobs, dtype=torch.float32)
+        generated = length - prompt_len
         policy = self.policy
-        return Trace(
-            tokens=torch.tensor(tokens, dtype=torch.long),
-            positions=torch.arange(length, dtype=torch.long),
-            death=compact_death(death),
-            sampled_mask=sampled,
-            loss_mask=sampled.clone(),
-            sampler_logprobs=lp,
-            policy_version=torch.full((length,), self.policy_version, dtype=torch.int32),
+        return Trace.from_record(
+            tokens,
+            death,
+            sampled=[False] * prompt_len + [True] * generated,
+            loss=[False] * prompt_len + [True] * generated,
+            logprobs=[math.nan] * prompt_len + logprobs,
+            versions=[self.policy_version] * length,
             metadata={
-                "format": FORMAT,
                 "temperature": str(params.temperature),
                 "top_p": str(params.top_p),
                 "top_k": str(params.top_k),

@@ -21,7 +21,7 @@ from kvstreams.attention import attention_context
 from kvstreams.engine.cache import SlotCache
 from kvstreams.engine.ops import attend_slots
 from kvstreams.models import model_shape
-from kvstreams.trace import FORMAT, Trace, compact_death
+from kvstreams.trace import Trace
 
 
 class ChunkStep:
@@ -168,16 +168,6 @@ class StreamSession:
 
     def trace(self, row: int, meta: dict[str, str]) -> Trace:
         rec = self.records[row]
-        T = len(rec)
-        death = self.cache.death[row, :, :, :T].clamp(max=T).cpu()
-        sampled = torch.tensor(rec.sampled, dtype=torch.bool)
-        return Trace(
-            tokens=torch.tensor(rec.tokens, dtype=torch.long),
-            positions=torch.arange(T, dtype=torch.long),
-            death=compact_death(death),
-            sampled_mask=sampled,
-            loss_mask=torch.tensor(rec.loss, dtype=torch.bool),
-            sampler_logprobs=torch.tensor(rec.logprobs, dtype=torch.float32),
-            policy_version=torch.tensor(rec.versions, dtype=torch.int32),
-            metadata={"format": FORMAT, **meta},
+        return Trace.from_record(
+            rec.tokens, self.cache.death[row], rec.sampled, rec.loss, rec.logprobs, rec.versions, meta
         )
