@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from kvstreams.attention import attention_context
 from kvstreams.engine.cache import SlotCache
-from kvstreams.engine.ops import attend_slots
+from kvstreams.engine.ops import attend_slots, attend_slots_fused
 from kvstreams.engine.sampling import SamplingParams, sample
 from kvstreams.errors import KVStreamsError
 from kvstreams.models import model_shape
@@ -183,10 +183,11 @@ class DecodeStep:
         cache.write_chunk(layer, key, value, batch.query_index[:, None])
         keys, values, index = cache.keys[layer], cache.values[layer], cache.index[layer]
         live = index >= 0
-        out, probs = attend_slots(query, keys, values, live[:, :, None, :], scale)
-        probs = probs[:, :, :, 0]  # one query per sequence: [B, H_kv, group, S]
-        if cache.cumulative is not None or cache.window is not None:
-            received = probs.sum(dim=2)  # attention each entry received from the KV group's heads
+        if cache.cumulative is None and cache.window is None:  # no policy statistic to update
+            out = attend_slots_fused(query, keys, values, live[:, :, None, :], scale)
+        else:
+            out, probs = attend_slots(query, keys, values, live[:, :, None, :], scale)
+            received = probs[:, :, :, 0].sum(dim=2)  # attention each entry got from the KV group's heads
             if cache.cumulative is not None:
                 cache.cumulative[layer] += received
             if cache.window is not None:

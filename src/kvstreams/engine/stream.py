@@ -19,7 +19,7 @@ import torch
 
 from kvstreams.attention import attention_context
 from kvstreams.engine.cache import SlotCache
-from kvstreams.engine.ops import attend_slots
+from kvstreams.engine.ops import attend_slots_fused
 from kvstreams.models import model_shape
 from kvstreams.trace import Trace
 
@@ -45,8 +45,7 @@ class ChunkStep:
         cache.write_chunk(layer, key, value, self.write_index)
         index = cache.index[layer][:, :, None, :]  # [B, H_kv, 1, S]
         visible = (index >= 0) & (index <= self.query_index[:, None, :, None])
-        out, _ = attend_slots(query, cache.keys[layer], cache.values[layer], visible, scale)
-        return out
+        return attend_slots_fused(query, cache.keys[layer], cache.values[layer], visible, scale)
 
 
 @dataclass
