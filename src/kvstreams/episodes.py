@@ -92,6 +92,9 @@ class RolloutStats:
     tokens_reprefilled_predicted: float = 0.0  # N * r / (B - r), N = tokens_forwarded - tokens_reprefilled
     reward_mean: float = 0.0
     seconds: float = 0.0
+    decode_tokens: int = 0  # tokens fed one per row per forward (the model's replies)
+    decode_seconds: float = 0.0  # time in those forwards
+    chunk_seconds: float = 0.0  # time in forwards of longer chunks (prompts, observations, re-prefills)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -441,6 +444,9 @@ class EpisodeRunner:
             compactions=len(events),
             reward_mean=sum(ep.reward for ep in episodes) / len(episodes),
             seconds=round(seconds, 3),
+            decode_tokens=c.decode_tokens,
+            decode_seconds=round(c.decode_seconds, 3),
+            chunk_seconds=round(c.chunk_seconds, 3),
         )
         if events:
             stats.retained_mean = sum(e["retained"] for e in events) / len(events)

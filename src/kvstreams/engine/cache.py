@@ -93,7 +93,7 @@ class SlotCache:
         Callers :meth:`reserve` room first.
         """
         B, H, C, D = keys.shape
-        slots = self._first_free(layer, C)
+        slots = _first_free(self.index[layer], C)
         expand = slots.unsqueeze(-1).expand(-1, -1, -1, D)
         self.keys[layer].scatter_(2, expand, keys)
         self.values[layer].scatter_(2, expand, values)
@@ -102,16 +102,27 @@ class SlotCache:
             if stat is not None:
                 stat[layer].scatter_(2, slots, 0.0)
 
-    def _first_free(self, layer: int, n: int) -> torch.Tensor:
-        """[B, H, n] the first ``n`` free slots of every (sequence, head), in O(S)."""
-        free = self.index[layer] < 0
-        if n == 1:
-            return free.to(torch.int8).argmax(dim=-1, keepdim=True)
-        rank = free.cumsum(dim=-1) - 1
-        target = torch.where(free & (rank < n), rank, n)  # non-candidates go to a dummy column n
-        out = torch.zeros(*free.shape[:-1], n + 1, dtype=torch.long, device=free.device)
-        slot_ids = torch.arange(free.shape[-1], device=free.device).expand_as(target)
-        return out.scatter_(-1, target, slot_ids)[..., :n]
+    def write_rows(
+        self, layer: int, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor, rows: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`write_chunk` for a subset ``rows`` of the sequences (keys/values [len(rows), H, C, D]).
+
+        Returns those rows' keys, values and slot index after the write, for attention. Rows that have
+        nothing to feed then cost nothing; attention statistics are not tracked on this path.
+        """
+        B, H, C, D = keys.shape
+        k = self.keys[layer].index_select(0, rows)
+        v = self.values[layer].index_select(0, rows)
+        i = self.index[layer].index_select(0, rows)
+        slots = _first_free(i, C)
+        expand = slots.unsqueeze(-1).expand(-1, -1, -1, D)
+        k.scatter_(2, expand, keys)
+        v.scatter_(2, expand, values)
+        i.scatter_(2, slots, index[:, None, :].expand(B, H, C))
+        self.keys[layer].index_copy_(0, rows, k)
+        self.values[layer].index_copy_(0, rows, v)
+        self.index[layer].index_copy_(0, rows, i)
+        return k, v, i
 
     def free_slots(self) -> torch.Tensor:
         """[B] the fewest free slots over layers and heads, per sequence."""
@@ -175,3 +186,15 @@ class SlotCache:
             self.cumulative = self.cumulative.index_select(1, rows)
         if self.window is not None:
             self.window = self.window.index_select(1, rows)
+
+
+def _first_free(index: torch.Tensor, n: int) -> torch.Tensor:
+    """[B, H, n] the first ``n`` free slots (index < 0) of every (sequence, head), in O(S)."""
+    free = index < 0
+    if n == 1:
+        return free.to(torch.int8).argmax(dim=-1, keepdim=True)
+    rank = free.cumsum(dim=-1) - 1
+    target = torch.where(free & (rank < n), rank, n)  # non-candidates go to a dummy column n
+    out = torch.zeros(*free.shape[:-1], n + 1, dtype=torch.long, device=free.device)
+    slot_ids = torch.arange(free.shape[-1], device=free.device).expand_as(target)
+    return out.scatter_(-1, target, slot_ids)[..., :n]

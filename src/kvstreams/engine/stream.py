@@ -13,6 +13,7 @@ which are prefilled again with positions from 0.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -27,10 +28,17 @@ from kvstreams.trace import Trace
 class ChunkStep:
     """Attention context: write each row's chunk, then attend over live slots up to each query."""
 
-    def __init__(self, cache: SlotCache, write_index: torch.Tensor, query_index: torch.Tensor) -> None:
+    def __init__(
+        self,
+        cache: SlotCache,
+        write_index: torch.Tensor,
+        query_index: torch.Tensor,
+        rows: torch.Tensor | None = None,
+    ) -> None:
         self.cache = cache
-        self.write_index = write_index  # [B, C] trace index of each chunk column, -1 for padding
-        self.query_index = query_index  # [B, C] same, with padding columns seeing everything live
+        self.write_index = write_index  # [b, C] trace index of each chunk column, -1 for padding
+        self.query_index = query_index  # [b, C] same, with padding columns seeing everything live
+        self.rows = rows  # the cache rows the b batch rows are (None: all of them, in order)
 
     def attend(
         self,
@@ -42,10 +50,13 @@ class ChunkStep:
     ) -> torch.Tensor:
         layer = module.layer_idx
         cache = self.cache
-        cache.write_chunk(layer, key, value, self.write_index)
-        index = cache.index[layer][:, :, None, :]  # [B, H_kv, 1, S]
-        visible = (index >= 0) & (index <= self.query_index[:, None, :, None])
-        return attend_slots_fused(query, cache.keys[layer], cache.values[layer], visible, scale)
+        if self.rows is None:
+            cache.write_chunk(layer, key, value, self.write_index)
+            keys, values, index = cache.keys[layer], cache.values[layer], cache.index[layer]
+        else:
+            keys, values, index = cache.write_rows(layer, key, value, self.write_index, self.rows)
+        visible = (index[:, :, None, :] >= 0) & (index[:, :, None, :] <= self.query_index[:, None, :, None])
+        return attend_slots_fused(query, keys, values, visible, scale)
 
 
 @dataclass
@@ -69,6 +80,9 @@ class SessionCounters:
     tokens_reprefilled: int = 0  # retained tokens fed again after a restart
     kv_peak_entries: int = 0  # most live entries any row held (per layer and head)
     kv_peak_bytes: int = 0  # most K/V bytes allocated for the batch
+    decode_tokens: int = 0  # tokens fed by forwards that fed one token per row (decode steps)
+    decode_seconds: float = 0.0
+    chunk_seconds: float = 0.0  # forwards that fed a longer chunk to some row (prefill, re-prefill)
 
 
 class StreamSession:
@@ -107,36 +121,42 @@ class StreamSession:
     # --- the model -------------------------------------------------------------------------------
     @torch.no_grad()
     def forward(self, rows: list[int]) -> torch.Tensor:
-        """Feed every row's unfed tokens; returns [len(rows), V] logits after each row's last token.
-
-        Other rows take part as padding (nothing is written for them).
-        """
-        B = len(self.records)
-        chunks = {r: self.records[r].tokens[self.records[r].fed :] for r in rows}
-        if any(len(c) == 0 for c in chunks.values()):
+        """Feed the unfed tokens of ``rows`` (as one padded batch of their chunks); returns
+        [len(rows), V] logits after each row's last token. Other rows are left out of the forward."""
+        started = time.perf_counter()
+        chunks = [self.records[r].tokens[self.records[r].fed :] for r in rows]
+        if any(len(c) == 0 for c in chunks):
             raise ValueError("forward() on a row with nothing to feed")
-        C = max(len(c) for c in chunks.values())
+        n, C = len(rows), max(len(c) for c in chunks)
         self.cache.reserve(C)
         self.cache.reserve_time(max(len(r) for r in self.records))
-        ids = torch.zeros(B, C, dtype=torch.long)
-        write = torch.full((B, C), -1, dtype=torch.long)
-        for r, chunk in chunks.items():
+        ids = torch.zeros(n, C, dtype=torch.long)
+        write = torch.full((n, C), -1, dtype=torch.long)
+        for i, (r, chunk) in enumerate(zip(rows, chunks, strict=True)):
             start = self.records[r].fed
-            ids[r, : len(chunk)] = torch.tensor(chunk)
-            write[r, : len(chunk)] = torch.arange(start, start + len(chunk))
+            ids[i, : len(chunk)] = torch.tensor(chunk)
+            write[i, : len(chunk)] = torch.arange(start, start + len(chunk))
         query = torch.where(write >= 0, write, torch.iinfo(torch.long).max)
         positions = write.clamp(min=0)
-        step = ChunkStep(self.cache, write.to(self.device), query.to(self.device))
+        # Rows with nothing to feed stay out of the batch (they would cost C tokens of padding each).
+        subset = None if list(rows) == list(range(len(self.records))) else torch.tensor(rows, device=self.device)
+        step = ChunkStep(self.cache, write.to(self.device), query.to(self.device), subset)
         with attention_context(step):
             logits = self.model(input_ids=ids.to(self.device), position_ids=positions.to(self.device)).logits
-        last = torch.tensor([len(chunks[r]) - 1 for r in rows], device=self.device)
-        out = logits[torch.tensor(rows, device=self.device), last].float()
-        for r, chunk in chunks.items():
+        last = torch.tensor([len(c) - 1 for c in chunks], device=self.device)
+        out = logits[torch.arange(n, device=self.device), last].float()
+        for r, chunk in zip(rows, chunks, strict=True):
             self.records[r].fed += len(chunk)
             self.counters.tokens_forwarded += len(chunk)
         live = int((self.cache.index[0] >= 0).sum(-1).max())
         self.counters.kv_peak_entries = max(self.counters.kv_peak_entries, live)
         self.counters.kv_peak_bytes = max(self.counters.kv_peak_bytes, self.cache.kv_bytes)
+        seconds = time.perf_counter() - started
+        if C == 1:
+            self.counters.decode_tokens += len(rows)
+            self.counters.decode_seconds += seconds
+        else:
+            self.counters.chunk_seconds += seconds
         return out
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
