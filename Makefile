@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 DEMO := runs/demo
 STAMP := $(VENV)/.kvstreams-installed
 
-.PHONY: install demo verify test test-slow test-all lint clean
+.PHONY: install demo verify bench bench-quick test test-slow test-all lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,14 @@ verify: $(STAMP) $(DEMO)/models/tiny-qwen3/config.json $(DEMO)/models/tiny-llama
 	$(BIN)/kvstreams verify --model $(DEMO)/models/tiny-llama --json $(DEMO)/verify-llama.json
 	$(BIN)/kvstreams verify --model $(DEMO)/models/tiny-qwen3 --env memory --json $(DEMO)/verify-memory.json
 	$(BIN)/kvstreams verify --model $(DEMO)/models/tiny-qwen3 --env textworld --episodes 2 --json $(DEMO)/verify-textworld.json
+
+# Benchmarks of both papers' efficiency claims (docs/benchmarks.md): about 20 minutes on 2 cores.
+bench: $(STAMP)
+	$(BIN)/kvstreams bench all --out runs/bench --json runs/bench/all.json
+
+# The same commands at toy sizes (under 2 minutes): keeps them working in CI; figures not meaningful.
+bench-quick: $(STAMP)
+	$(BIN)/kvstreams bench all --quick --out runs/bench-quick
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

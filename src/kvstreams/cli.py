@@ -219,6 +219,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("inspect", help="validate trace files and summarise them")
     p.add_argument("traces", nargs="+")
+
+    p = sub.add_parser(
+        "bench", help="benchmarks: stream vs re-prefill rollouts, learner replay memory, decode throughput"
+    )
+    p.add_argument("which", choices=["rollout", "learner", "decode", "all"])
+    p.add_argument("--quick", action="store_true", help="small settings that only check the commands work")
+    p.add_argument("--out", default="runs/bench", help="directory for <bench>.json and the PNG plots")
+    p.add_argument("--models", default=None, help="where the bench models live (default: OUT/models)")
+    p.add_argument("--json", default=None, help="also write the report(s) to this JSON file")
     return parser
 
 
@@ -647,6 +656,28 @@ def cmd_config(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from kvstreams.atomic import write_json
+    from kvstreams.bench import BENCHES, print_report
+
+    _quiet_transformers()
+    out = Path(args.out)
+    _check_out(out)
+    models = Path(args.models) if args.models else out / "models"
+    names = list(BENCHES) if args.which == "all" else [args.which]
+    reports = {}
+    for name in names:
+        settings_type, run = BENCHES[name]
+        report = run(settings_type.preset(args.quick), models, out)  # type: ignore[attr-defined]
+        report.settings["quick"] = args.quick
+        report.save(out / f"{name}{'-quick' if args.quick else ''}.json")
+        print_report(report)
+        reports[name] = report.as_dict()
+    if args.json:
+        write_json(Path(args.json), reports if len(reports) > 1 else reports[names[0]])
+    return 0
+
+
 COMMANDS = {
     "tiny-model": cmd_tiny_model,
     "rollout": cmd_rollout,
@@ -655,6 +686,7 @@ COMMANDS = {
     "train": cmd_train,
     "sft": cmd_sft,
     "config": cmd_config,
+    "bench": cmd_bench,
 }
 
 

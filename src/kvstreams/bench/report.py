@@ -68,6 +68,35 @@ def peak_memory_supported(device: str = "cpu") -> bool:
     return Path("/proc/self/clear_refs").exists()
 
 
+_ALLOCATOR_PINNED = False
+
+
+def _pin_allocator() -> None:
+    """Make glibc return large blocks to the system when they are freed (a fixed mmap threshold), so
+    that the resident high-water mark of a block measures that block's own allocations."""
+    global _ALLOCATOR_PINNED
+    if _ALLOCATOR_PINNED:
+        return
+    _ALLOCATOR_PINNED = True
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: fixed, no dynamic raising
+        libc.mallopt(-1, 0)  # M_TRIM_THRESHOLD: trim the heap top eagerly
+    except (OSError, AttributeError):
+        pass
+
+
+def available_memory() -> int | None:
+    """Bytes the system can still give (MemAvailable), None where unknown."""
+    try:
+        found = re.search(r"MemAvailable:\s+(\d+) kB", Path("/proc/meminfo").read_text())
+    except OSError:
+        return None
+    return int(found.group(1)) * 1024 if found else None
+
+
 @contextmanager
 def measure_peak(device: str = "cpu") -> Iterator[Peak]:
     """Measure the peak memory of the block. On CPU (Linux), the process's resident high-water mark
@@ -81,6 +110,7 @@ def measure_peak(device: str = "cpu") -> Iterator[Peak]:
         torch.cuda.synchronize()
         probe.peak = torch.cuda.max_memory_allocated()
         return
+    _pin_allocator()
     probe = Peak("rss")
     try:
         Path("/proc/self/clear_refs").write_text("5")
@@ -180,7 +210,7 @@ def print_report(report: BenchReport, console=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = console or Console(width=max(Console().width, 132))
+    console = console or Console(width=max(Console().width, 160))
     m = report.machine
     console.print(
         f"[bold]kvstreams bench {report.bench}[/bold]: {m['cpu']}, {m['cores']} cores, "
@@ -190,7 +220,8 @@ def print_report(report: BenchReport, console=None) -> None:
     for s in report.sections:
         table = Table(title=s.title, title_justify="left")
         for c in s.columns:
-            table.add_column(c, justify="left" if c in _TEXT_COLUMNS else "right")
+            left = c in _TEXT_COLUMNS
+            table.add_column(c, justify="left" if left else "right", overflow="fold", no_wrap=left)
         for row in s.rows:
             table.add_row(*(fmt(row.get(c)) for c in s.columns))
         console.print(table)
@@ -209,3 +240,31 @@ def print_report(report: BenchReport, console=None) -> None:
 
 
 _TEXT_COLUMNS = {"model", "env", "strategy", "mode", "backend", "engine", "policy", "track", "method", "what"}
+
+
+@contextmanager
+def progress_bar(total: int) -> Iterator[Callable[[str], None]]:
+    """A progress bar over a benchmark's runs; the callable names the run starting now and advances."""
+    import sys
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        transient=True,
+        disable=not sys.stderr.isatty(),
+    ) as bar:
+        task = bar.add_task("starting", total=total)
+        started = [False]
+
+        def step(description: str) -> None:
+            if started[0]:
+                bar.advance(task)
+            started[0] = True
+            bar.update(task, description=description)
+
+        yield step
+        bar.advance(task)

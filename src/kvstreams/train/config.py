@@ -124,6 +124,11 @@ class Config(_Section):
             raise ValueError(f"rollout.mode = {r.mode!r} needs rollout.strategy")
         if loss.tis_low > loss.tis_high:
             raise ValueError("loss.tis_low must not exceed loss.tis_high")
+        if self.train.backend == "flex" and self.model.device == "cpu":
+            raise ValueError(
+                "train.backend = 'flex' needs a GPU: torch's flex_attention has no backward on CPU "
+                "(use 'sdpa' on CPU; `kvstreams verify --backend flex` checks the forward there)"
+            )
         if self.train.asynchronous and r.mode == "reprefill":
             raise ValueError("asynchronous training is implemented for stream and full modes")
         return self

@@ -1,0 +1,29 @@
+"""Benchmarks of the two papers' efficiency claims (`kvstreams bench rollout|learner|decode`).
+
+Each bench runs the compared settings side by side in one process (ratios, not absolute times, are
+what carries over between machines), prints tables, writes JSON and PNG plots, and records the
+machine. ``docs/benchmarks.md`` holds the latest figures and how to read them.
+"""
+
+from kvstreams.bench.decode import DecodeBenchSettings, bench_decode
+from kvstreams.bench.learner import LearnerBenchSettings, bench_learner
+from kvstreams.bench.report import BenchReport, print_report
+from kvstreams.bench.rollout import RolloutBenchSettings, bench_rollout
+
+BENCHES = {
+    "rollout": (RolloutBenchSettings, bench_rollout),
+    "learner": (LearnerBenchSettings, bench_learner),
+    "decode": (DecodeBenchSettings, bench_decode),
+}
+
+__all__ = [
+    "BENCHES",
+    "BenchReport",
+    "DecodeBenchSettings",
+    "LearnerBenchSettings",
+    "RolloutBenchSettings",
+    "bench_decode",
+    "bench_learner",
+    "bench_rollout",
+    "print_report",
+]

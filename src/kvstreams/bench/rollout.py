@@ -1,0 +1,317 @@
+"""`kvstreams bench rollout`: stream vs re-prefill vs full context, side by side in one run.
+
+Every point is one (model, environment, compaction strategy, budget B) played in the three modes
+with the same seeds. A random model's replies run to ``max_reply_tokens`` almost every time, so the
+modes play nearly the same number of tokens; the counters (not the samples) are what is compared.
+
+What the KV-streams paper predicts: re-prefill forwards N * r / (B - r) extra tokens for N new ones
+(r: the context retained by a compaction, B: the context when it fires), so its cost relative to
+stream mode is B / (B - r) in tokens; whether wall-clock follows depends on how much of the time is
+spent on those (chunked, cheap per token) prefills rather than on (one token per step) decoding.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvstreams.bench.models import bench_model, parameter_count
+from kvstreams.bench.report import BenchReport, Target, progress_bar
+
+MODES = ("stream", "reprefill", "full")
+
+
+@dataclass(frozen=True)
+class Point:
+    """One compaction setting played by ``episodes`` episodes of ``turns`` turns; ``budget`` None is
+    the environment's default B."""
+
+    model: str
+    env: str
+    strategy: str
+    budget: int | None = None
+    episodes: int = 4
+    turns: int = 40
+
+
+@dataclass
+class RolloutBenchSettings:
+    points: list[Point]
+    max_reply_tokens: int = 16
+    filler_block: int = 16  # tiny-model stream runs are repeated at this block size to count filler
+    kv_turns: list[int] = field(default_factory=list)  # episode lengths of the KV-growth check (tiny)
+    kv_episodes: int = 2
+    seed: int = 0
+
+    @classmethod
+    def preset(cls, quick: bool) -> RolloutBenchSettings:
+        if quick:  # keeps the command working in CI: small, not meaningful
+            return cls(
+                points=[
+                    Point("tiny", "memory", "sliding_window", 192, episodes=2, turns=10),
+                    Point("tiny", "memory", "markovian", 192, episodes=2, turns=10),
+                ],
+                max_reply_tokens=8,
+                kv_turns=[4, 8],
+            )
+        strategies = ("sliding_window", "markovian", "summary", "model_triggered")
+        tiny = [Point("tiny", "memory", s) for s in strategies]
+        tiny += [Point("tiny", "memory", "sliding_window", 768)]
+        tiny += [Point("tiny", "textworld", s, episodes=2, turns=30) for s in ("sliding_window", "markovian")]
+        small = [
+            Point("small", "memory", "sliding_window", 768, episodes=4, turns=24),
+            Point("small", "memory", "markovian", episodes=4, turns=24),
+        ]
+        return cls(points=tiny + small, kv_turns=[10, 20, 40, 80])
+
+
+def _env_args(env: str, turns: int) -> dict[str, Any]:
+    if env == "memory":
+        return {"n_turns": turns, "max_turns": turns + 1}
+    return {"max_turns": turns}
+
+
+def play(
+    model, tokenizer, point: Point, mode: str, settings: RolloutBenchSettings, block_size: int = 1
+) -> dict[str, Any]:
+    """Play ``episodes`` episodes of ``point`` in ``mode``; one row of figures."""
+    from kvstreams.compaction import make_strategy
+    from kvstreams.engine.sampling import SamplingParams
+    from kvstreams.envs import make_env
+    from kvstreams.episodes import EpisodeRunner
+
+    strategy = None
+    if mode != "full":
+        strategy = make_strategy(point.strategy, **({"budget": point.budget} if point.budget else {}))
+    episodes = point.episodes
+    envs = [make_env(point.env, **_env_args(point.env, point.turns)) for _ in range(episodes)]
+    runner = EpisodeRunner(
+        model,
+        tokenizer,
+        strategy,
+        mode=mode,  # type: ignore[arg-type]
+        sampling=SamplingParams(temperature=1.0, seed=settings.seed),
+        block_size=block_size,
+        max_reply_tokens=settings.max_reply_tokens,
+    )
+    _, st = runner.run(envs, [settings.seed + i for i in range(episodes)])
+    budget = runner.strategy.b if runner.strategy is not None else None
+    retained = st.retained_mean / st.context_at_compaction_mean if st.compactions else None
+    predicted = st.tokens_reprefilled_predicted if mode == "reprefill" else None
+    return {
+        "model": point.model,
+        "env": point.env,
+        "strategy": point.strategy if mode != "full" else "-",
+        "B": budget,
+        "mode": mode,
+        "block": block_size,
+        "episodes": episodes,
+        "compactions/ep": st.compactions / episodes,
+        "r/B": retained,
+        "tokens fwd": st.tokens_forwarded,
+        "re-prefilled": st.tokens_reprefilled,
+        "closed form": predicted,
+        "closed form err": (st.tokens_reprefilled / predicted - 1) if predicted else None,
+        "filler": st.tokens_filler,
+        "seconds": st.seconds,
+        "decode tok/s": st.decode_tokens / st.decode_seconds if st.decode_seconds else None,
+        "chunk s": st.chunk_seconds,
+        "peak KV entries": st.kv_peak_entries,
+        "peak KV MB": st.kv_peak_bytes / 2**20,
+        "trace tokens": st.tokens_trace,
+    }
+
+
+# Printed columns (the JSON rows hold every figure, e.g. "chunk s" and "peak KV entries").
+RUN_COLUMNS = (
+    "model", "env", "strategy", "B", "mode", "compactions/ep", "r/B", "tokens fwd", "re-prefilled",
+    "closed form", "closed form err", "seconds", "decode tok/s", "peak KV MB",
+)  # fmt: skip
+RATIO_COLUMNS = (
+    "model", "env", "strategy", "B", "r/B", "B/(B-r)", "tokens reprefill/stream", "wall reprefill/stream",
+    "wall full/stream", "filler b=16 %",
+)  # fmt: skip
+
+
+def bench_rollout(settings: RolloutBenchSettings, models_dir: str | Path, out_dir: str | Path) -> BenchReport:
+    from kvstreams.models import load_model
+
+    started = time.perf_counter()
+    report = BenchReport(
+        "rollout", settings={**settings.__dict__, "points": [p.__dict__ for p in settings.points]}
+    )
+    runs = report.section(
+        "runs (same seeds in every mode)",
+        RUN_COLUMNS,
+        note="closed form: N r/(B-r) with N the new tokens, r and B averaged over compactions; "
+        "peak KV MB: K/V allocated for the batch",
+    )
+    ratios = report.section("reprefill and full context relative to stream", RATIO_COLUMNS)
+    growth = report.section(
+        "peak KV vs episode length (tiny, memory, sliding_window)",
+        ("mode", "turns", "trace tokens", "peak KV entries", "peak KV MB"),
+    )
+    models: dict[str, Any] = {}
+    full_rows: dict[tuple, dict[str, Any]] = {}
+
+    def same_episodes(p: Point) -> tuple:
+        return (p.model, p.env, p.episodes, p.turns)
+
+    filler_points = [p for p in settings.points if p.model == "tiny"]  # filler does not depend on the model
+    n_runs = 2 * len(settings.points) + len(filler_points) + len({same_episodes(p) for p in settings.points})
+    n_runs += 2 * len(settings.kv_turns)
+    with progress_bar(n_runs) as step:
+        for point in settings.points:
+            if point.model not in models:
+                model, tok = load_model(bench_model(point.model, models_dir))
+                models[point.model] = (model, tok)
+                report.settings.setdefault("parameters", {})[point.model] = parameter_count(model)
+            model, tok = models[point.model]
+            name = f"{point.model} {point.env} {point.strategy} B={point.budget or 'env'}"
+            rows = {}
+            for mode in ("stream", "reprefill"):
+                step(f"{name} {mode}")
+                rows[mode] = play(model, tok, point, mode, settings)
+                runs.rows.append(rows[mode])
+            blocked = None
+            if point in filler_points:
+                step(f"{name} stream at block size {settings.filler_block}")
+                blocked = play(model, tok, point, "stream", settings, block_size=settings.filler_block)
+            key = same_episodes(point)
+            if key not in full_rows:
+                step(f"{point.model} {point.env} full context")
+                full_rows[key] = play(model, tok, point, "full", settings)
+                runs.rows.append(full_rows[key])
+            s, r, f = rows["stream"], rows["reprefill"], full_rows[key]
+            rb = r["r/B"]
+            ratios.rows.append(
+                {
+                    "model": point.model,
+                    "env": point.env,
+                    "strategy": point.strategy,
+                    "B": s["B"],
+                    "r/B": rb,
+                    "B/(B-r)": 1 / (1 - rb) if rb is not None and rb < 1 else None,
+                    "tokens reprefill/stream": r["tokens fwd"] / s["tokens fwd"],
+                    "wall reprefill/stream": r["seconds"] / s["seconds"],
+                    "wall full/stream": f["seconds"] / s["seconds"],
+                    "filler b=1": s["filler"],
+                    "filler b=16": blocked["filler"] if blocked else None,
+                    "filler b=16 %": 100 * blocked["filler"] / blocked["trace tokens"] if blocked else None,
+                    "stream compactions/ep": s["compactions/ep"],
+                }
+            )
+        if settings.kv_turns:
+            model, tok = models.get("tiny") or load_model(bench_model("tiny", models_dir))
+            for turns in settings.kv_turns:
+                point = Point("tiny", "memory", "sliding_window", episodes=settings.kv_episodes, turns=turns)
+                for mode in ("stream", "full"):
+                    step(f"KV growth: {mode}, {turns} turns")
+                    row = play(model, tok, point, mode, settings)
+                    growth.rows.append(
+                        {
+                            "mode": mode,
+                            "turns": turns,
+                            "trace tokens": row["trace tokens"] // settings.kv_episodes,
+                            "peak KV entries": row["peak KV entries"],
+                            "peak KV MB": row["peak KV MB"],
+                        }
+                    )
+    _targets(report, runs.rows, ratios.rows, growth.rows)
+    report.plots = _plots(ratios.rows, growth.rows, Path(out_dir))
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _targets(report: BenchReport, runs: list[dict], ratios: list[dict], growth: list[dict]) -> None:
+    stream = [r for r in runs if r["mode"] == "stream"]
+    worst = max((r["re-prefilled"] for r in stream), default=0)
+    report.targets.append(
+        Target("stream re-prefills", "0 tokens", f"max {worst}", worst == 0 if stream else None)
+    )
+    long = [r for r in runs if r["mode"] == "reprefill" and r["closed form"] and r["compactions/ep"] >= 8]
+    err = max((abs(r["closed form err"]) for r in long), default=None)
+    report.targets.append(
+        Target(
+            "re-prefill extra vs N r/(B-r)",
+            "within 10% (runs with >= 8 compactions per episode)",
+            "-" if err is None else f"worst {100 * err:.1f}% over {len(long)} runs",
+            None if err is None else err <= 0.10,
+        )
+    )
+    high = [r for r in ratios if r["model"] == "small" and r["r/B"] is not None and r["r/B"] >= 0.8]
+    best = max((r["wall reprefill/stream"] for r in high), default=None)
+    report.targets.append(
+        Target(
+            "wall-clock reprefill/stream, small model, r/B >= 0.8",
+            ">= 3x",
+            "not run" if best is None else f"{best:.2f}x",
+            None if best is None else best >= 3.0,
+        )
+    )
+    if growth:
+        s = [g for g in growth if g["mode"] == "stream"]
+        f = [g for g in growth if g["mode"] == "full"]
+        flat = max(g["peak KV entries"] for g in s) <= 1.1 * min(g["peak KV entries"] for g in s[1:] or s)
+        grow = f[-1]["peak KV entries"] / f[0]["peak KV entries"]
+        length = f[-1]["trace tokens"] / f[0]["trace tokens"]
+        report.targets.append(
+            Target(
+                "peak KV: stream flat, full linear in episode length",
+                "stream within 10% once compacting; full grows with length",
+                f"stream {s[0]['peak KV entries']}..{max(g['peak KV entries'] for g in s)} entries; "
+                f"full x{grow:.1f} for x{length:.1f} tokens",
+                flat and grow >= 0.7 * length,
+            )
+        )
+
+
+def _plots(ratios: list[dict], growth: list[dict], out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    points = [r for r in ratios if r["r/B"] is not None]
+    if points:
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        xs = [i / 100 for i in range(5, 96)]
+        ax.plot(xs, [1 / (1 - x) for x in xs], "k--", lw=1, label="closed form B/(B-r) (tokens)")
+        for model, marker in (("tiny", "o"), ("small", "s")):
+            rows = [r for r in points if r["model"] == model]
+            if rows:
+                ax.scatter([r["r/B"] for r in rows], [r["wall reprefill/stream"] for r in rows], marker=marker,
+                           s=50, label=f"{model}: wall-clock")  # fmt: skip
+                ax.scatter([r["r/B"] for r in rows], [r["tokens reprefill/stream"] for r in rows],
+                           marker=marker, s=50, facecolors="none", edgecolors="gray", label=f"{model}: tokens")  # fmt: skip
+        ax.set_xlabel("retained fraction r/B")
+        ax.set_ylabel("re-prefill / stream")
+        ax.set_ylim(0.8, max(8.0, max(r["tokens reprefill/stream"] for r in points) * 1.1))
+        ax.set_title("cost of re-prefill compaction relative to KV streams")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out / "rollout_speedup.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        paths.append(str(path))
+    if growth:
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for mode in ("stream", "full"):
+            rows = [g for g in growth if g["mode"] == mode]
+            ax.plot([g["trace tokens"] for g in rows], [g["peak KV entries"] for g in rows], "o-", label=mode)
+        ax.set_xlabel("episode length (trace tokens)")
+        ax.set_ylabel("peak live KV entries per sequence")
+        ax.set_title("KV cache: stream compaction vs full context")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        path = out / "rollout_kv.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        paths.append(str(path))
+    return paths

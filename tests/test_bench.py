@@ -1,0 +1,119 @@
+"""The benchmarks measure what they say: counters, memory probes, reports. No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstreams.bench.learner import LearnerBenchSettings, _slicing, synthetic_trace
+from kvstreams.bench.report import measure_peak, peak_memory_supported
+from kvstreams.bench.rollout import Point, RolloutBenchSettings, bench_rollout
+from kvstreams.cli import main
+from kvstreams.replay import dense_visibility
+from kvstreams.train.config import Config
+
+needs_peak = pytest.mark.skipif(not peak_memory_supported(), reason="needs /proc/self/clear_refs (Linux)")
+
+
+@pytest.fixture
+def bench_models(tmp_path, model_dirs) -> Path:
+    """A bench models directory whose `tiny` is the session's qwen3 tiny model (the same recipe)."""
+    root = tmp_path / "models"
+    root.mkdir()
+    (root / "tiny").symlink_to(Path(model_dirs["qwen3"]).resolve())
+    return root
+
+
+@needs_peak
+def test_measure_peak_sees_an_allocation_and_not_its_absence():
+    with measure_peak() as big:
+        x = torch.ones(16 * 2**20)  # 64 MiB, touched
+        del x
+    with measure_peak() as small:
+        y = torch.ones(1024)
+        del y
+    assert big.extra >= 60 * 2**20
+    assert small.extra < 8 * 2**20
+
+
+@needs_peak
+def test_physical_slicing_spikes_and_the_mask_does_not():
+    rows = _slicing(LearnerBenchSettings(slice_tokens=4096), step=lambda _: None)
+    slicing, mask = rows
+    assert slicing["peak / KV"] > 1.4  # the kept half is allocated while the whole is still alive
+    assert mask["peak / KV"] < 1.1
+    assert slicing["resident after MB"] == pytest.approx(slicing["KV MB before"] / 2)
+
+
+def test_synthetic_record_keeps_sinks_and_a_window_per_head():
+    trace = synthetic_trace(512, n_layers=2, n_kv_heads=2, vocab=100, seed=0)
+    death = trace.death_for(2, 2)
+    visible = dense_visibility(death)  # [L, H, T, T]
+    assert bool(visible[..., -1, :4].all())  # sinks are seen by the last query
+    seen = visible[..., -1, :].sum(-1)
+    assert int(seen.max()) <= 4 + 512 // 4
+    assert len({int(s) for s in seen.flatten()}) > 1  # heads differ
+
+
+def test_rollout_bench_counts_reprefill_and_stream(tmp_path, bench_models):
+    settings = RolloutBenchSettings(
+        points=[Point("tiny", "memory", "sliding_window", 160, episodes=2, turns=8)],
+        max_reply_tokens=8,
+        kv_turns=[3, 6],
+    )
+    report = bench_rollout(settings, bench_models, tmp_path / "out")
+    runs = {r["mode"]: r for r in report.sections[0].rows}
+    assert set(runs) == {"stream", "reprefill", "full"}
+    assert runs["stream"]["re-prefilled"] == 0
+    assert runs["reprefill"]["re-prefilled"] > 0
+    assert runs["reprefill"]["tokens fwd"] == pytest.approx(
+        runs["stream"]["tokens fwd"] + runs["reprefill"]["re-prefilled"], rel=0.15
+    )
+    assert runs["stream"]["peak KV entries"] < runs["full"]["peak KV entries"]
+    ratio = report.sections[1].rows[0]
+    assert ratio["tokens reprefill/stream"] > 1
+    assert ratio["filler b=1"] == 0 and ratio["filler b=16"] > 0
+    growth = report.sections[2].rows
+    full = [g["peak KV entries"] for g in growth if g["mode"] == "full"]
+    assert full[1] > full[0]  # full context grows with the episode
+    assert {t.name for t in report.targets} >= {"stream re-prefills"}
+    for plot in report.plots:
+        assert Path(plot).stat().st_size > 0
+    saved = json.loads(report.save(tmp_path / "r.json").read_text())
+    assert saved["machine"]["torch"] == torch.__version__ and saved["sections"][0]["rows"]
+
+
+def test_bench_decode_cli_writes_json(tmp_path, bench_models, capsys):
+    out = tmp_path / "bench"
+    code = main(
+        [
+            "bench",
+            "decode",
+            "--quick",
+            "--out",
+            str(out),
+            "--models",
+            str(bench_models),
+            "--json",
+            str(tmp_path / "d.json"),
+        ]
+    )
+    assert code == 0
+    report = json.loads((tmp_path / "d.json").read_text())
+    rows = report["sections"][0]["rows"]
+    engines = [(r["engine"], r["policy"]) for r in rows]
+    assert ("HF generate", "-") in engines and ("kvstreams", "full") in engines
+    assert len({r["tokens"] for r in rows}) == 1  # every engine decoded the same number of tokens
+    compressed = next(r for r in rows if r["policy"].startswith("snapkv"))
+    full = next(r for r in rows if r["policy"] == "full")
+    assert compressed["KV MB"] < full["KV MB"]
+    assert (out / "decode-quick.json").is_file() and (out / "decode.png").is_file()
+    assert "vs HF generate" in capsys.readouterr().out
+
+
+def test_flex_training_on_cpu_is_refused_up_front():
+    with pytest.raises(ValueError, match="no backward on CPU"):
+        Config.model_validate({"train": {"backend": "flex"}, "model": {"device": "cpu"}})
