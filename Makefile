@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 DEMO := runs/demo
 STAMP := $(VENV)/.kvstreams-installed
 
-.PHONY: install demo verify bench bench-quick test test-slow test-all lint clean
+.PHONY: install demo verify bench bench-quick kvpress-env test test-slow test-all lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -42,8 +42,17 @@ verify: $(STAMP) $(DEMO)/models/tiny-qwen3/config.json $(DEMO)/models/tiny-llama
 	$(BIN)/kvstreams verify --model $(DEMO)/models/tiny-qwen3 --env textworld --episodes 2 --json $(DEMO)/verify-textworld.json
 
 # Benchmarks of both papers' efficiency claims (docs/benchmarks.md): about 20 minutes on 2 cores.
+# kvpress (optional comparison in `bench decode`) pins transformers < 5.3: it gets its own environment.
+KVPRESS_VENV := .venv-kvpress
+KVPRESS_FLAG = $(if $(wildcard $(KVPRESS_VENV)/bin/python),--kvpress-python $(KVPRESS_VENV)/bin/python)
+
 bench: $(STAMP)
-	$(BIN)/kvstreams bench all --out runs/bench --json runs/bench/all.json
+	$(BIN)/kvstreams bench all --out runs/bench --json runs/bench/all.json $(KVPRESS_FLAG)
+
+kvpress-env:
+	test -x $(KVPRESS_VENV)/bin/python || $(PYTHON) -m venv $(KVPRESS_VENV)
+	$(KVPRESS_VENV)/bin/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(KVPRESS_VENV)/bin/python -m pip install --quiet kvpress "transformers<5.3"
 
 # The same commands at toy sizes (under 2 minutes): keeps them working in CI; figures not meaningful.
 bench-quick: $(STAMP)

@@ -228,6 +228,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/bench", help="directory for <bench>.json and the PNG plots")
     p.add_argument("--models", default=None, help="where the bench models live (default: OUT/models)")
     p.add_argument("--json", default=None, help="also write the report(s) to this JSON file")
+    p.add_argument(
+        "--kvpress-python",
+        default=None,
+        help="decode: a Python whose environment has kvpress (e.g. .venv-kvpress/bin/python) to compare with",
+    )
     return parser
 
 
@@ -668,7 +673,10 @@ def cmd_bench(args) -> int:
     reports = {}
     for name in names:
         settings_type, run = BENCHES[name]
-        report = run(settings_type.preset(args.quick), models, out)  # type: ignore[attr-defined]
+        settings = settings_type.preset(args.quick)  # type: ignore[attr-defined]
+        if name == "decode":
+            settings.kvpress_python = args.kvpress_python
+        report = run(settings, models, out)
         report.settings["quick"] = args.quick
         report.save(out / f"{name}{'-quick' if args.quick else ''}.json")
         print_report(report)

@@ -9,6 +9,8 @@ policies at a budget of half the context. Throughput counts generated tokens ove
 
 from __future__ import annotations
 
+import json
+import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +18,7 @@ from typing import Any
 
 import torch
 
+from kvstreams.atomic import write_json
 from kvstreams.bench.models import bench_model
 from kvstreams.bench.report import BenchReport, Target, measure_peak, progress_bar
 
@@ -26,10 +29,11 @@ class DecodeBenchSettings:
     batch: int = 8
     prompt_len: int = 128
     new_tokens: int = 256
-    policies: list[str] = field(default_factory=lambda: ["snapkv", "streaming_llm"])
+    policies: list[str] = field(default_factory=lambda: ["knorm", "streaming_llm", "snapkv"])
     budget: float = 0.5
-    repeats: int = 2  # the best of these is reported
+    repeats: int = 1  # the best of these is reported
     seed: int = 0
+    kvpress_python: str | None = None  # a Python with kvpress installed (it pins transformers < 5.3)
 
     @classmethod
     def preset(cls, quick: bool) -> DecodeBenchSettings:
@@ -76,14 +80,12 @@ def bench_decode(settings: DecodeBenchSettings, models_dir: str | Path, out_dir:
         note="KV MB: K/V the cache holds at the end (HF: dynamic cache, grows with the sequence; "
         "kvstreams: slots allocated); peak MB: resident high-water mark above the start of the call",
     )
-    kvpress = report.section("kvpress", ("note",))
-    kvpress.rows.append(
-        {
-            "note": "not run: kvpress pins transformers < 5 and its presses patch HF attention modules; a side-by-side "
-            "run needs a separate environment with an older transformers, which this benchmark does not build"
-        }
+    kvpress = report.section(
+        "kvpress DecodingPress (HF generate + press, separate environment) at the same budget",
+        ("model", "policy", "tokens", "seconds", "tokens/s", "vs HF generate", "KV entries at end", "note"),
+        note="vs HF generate: against plain generate in that environment (its transformers version)",
     )
-    n_runs = len(settings.models) * (2 + len(settings.policies))
+    n_runs = len(settings.models) * (3 + len(settings.policies))
     params = SamplingParams(
         max_new_tokens=settings.new_tokens, temperature=1.0, stop_token_ids=(), seed=settings.seed
     )
@@ -152,10 +154,57 @@ def bench_decode(settings: DecodeBenchSettings, models_dir: str | Path, out_dir:
                         "peak MB": peak_extra / 2**20,
                     }
                 )
+            step(f"{name}: kvpress")
+            kvpress.rows += _kvpress_rows(settings, name, path, prompts, pad, Path(out_dir))
     _targets(report, table.rows)
     report.plots = _plots(table.rows, Path(out_dir))
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _kvpress_rows(
+    settings: DecodeBenchSettings, model: str, path: Path, prompts: list[list[int]], pad: int, out: Path
+) -> list[dict[str, Any]]:
+    """Run kvpress_decode.py with the kvpress environment's Python, at the kvstreams policies' budget."""
+    if not settings.kvpress_python:
+        return [{"model": model, "note": "not run: pass --kvpress-python (make kvpress-env builds one)"}]
+    budget = int(settings.budget * (settings.prompt_len + settings.new_tokens))
+    job = {
+        "model": str(path),
+        "prompts": prompts,
+        "new_tokens": settings.new_tokens,
+        "pad_id": pad,
+        "target_size": budget,
+        "compression_interval": 32,  # as the kvstreams policies' default interval
+        "repeats": settings.repeats,
+        "seed": settings.seed,
+    }
+    job_path = write_json(out / f"kvpress-job-{model}.json", job)
+    script = Path(__file__).with_name("kvpress_decode.py")
+    done = subprocess.run(
+        [settings.kvpress_python, str(script), str(job_path)], capture_output=True, text=True, check=False
+    )
+    if done.returncode != 0:
+        tail = done.stderr.strip().splitlines()[-1:] or ["no output"]
+        return [{"model": model, "note": f"kvpress run failed: {tail[0][:200]}"}]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    plain = next(r for r in result["rows"] if r["policy"] == "none")
+    rows = []
+    for r in result["rows"]:
+        rate = r["tokens"] / r["seconds"]
+        rows.append(
+            {
+                "model": model,
+                "policy": "HF generate" if r["policy"] == "none" else r["policy"],
+                "tokens": r["tokens"],
+                "seconds": r["seconds"],
+                "tokens/s": rate,
+                "vs HF generate": rate / (plain["tokens"] / plain["seconds"]),
+                "KV entries at end": r["kv_entries"],
+                "note": f"kvpress {result['kvpress']}, transformers {result['transformers']}",
+            }
+        )
+    return rows
 
 
 def _targets(report: BenchReport, rows: list[dict[str, Any]]) -> None:

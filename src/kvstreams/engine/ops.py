@@ -36,9 +36,9 @@ def attend_slots_fused(
     without a score-based policy): the probabilities are never materialised, which on CPU makes a
     long chunk several times faster. Returns [B, C, H, D].
     """
-    H, Hkv = query.shape[1], keys.shape[1]
-    mask = visible if H == Hkv else visible.repeat_interleave(H // Hkv, dim=1)
+    group = query.shape[1] // keys.shape[1]
+    mask = visible if group == 1 else visible.repeat_interleave(group, dim=1)
     out = F.scaled_dot_product_attention(
-        query, keys.to(query.dtype), values.to(query.dtype), attn_mask=mask, scale=scale, enable_gqa=H != Hkv
+        query, keys.to(query.dtype), values.to(query.dtype), attn_mask=mask, scale=scale, enable_gqa=group > 1
     )
     return out.transpose(1, 2)

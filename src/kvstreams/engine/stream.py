@@ -139,7 +139,9 @@ class StreamSession:
         query = torch.where(write >= 0, write, torch.iinfo(torch.long).max)
         positions = write.clamp(min=0)
         # Rows with nothing to feed stay out of the batch (they would cost C tokens of padding each).
-        subset = None if list(rows) == list(range(len(self.records))) else torch.tensor(rows, device=self.device)
+        subset = (
+            None if list(rows) == list(range(len(self.records))) else torch.tensor(rows, device=self.device)
+        )
         step = ChunkStep(self.cache, write.to(self.device), query.to(self.device), subset)
         with attention_context(step):
             logits = self.model(input_ids=ids.to(self.device), position_ids=positions.to(self.device)).logits
