@@ -85,6 +85,13 @@ def test_reprefill_cost_matches_the_closed_form_on_a_long_episode(qwen):
     predicted = reprefill_closed_form(new_tokens, stats.retained_mean, stats.context_at_compaction_mean)
     assert predicted == pytest.approx(stats.tokens_reprefilled_predicted)
     assert abs(stats.tokens_reprefilled / predicted - 1) < 0.10
+    # the first fill (0 -> B) re-prefills nothing: the steady-state form leaves it out
+    assert 0 < stats.tokens_first_fill < 2 * stats.context_at_compaction_mean
+    steady = reprefill_closed_form(
+        new_tokens - stats.tokens_first_fill, stats.retained_mean, stats.context_at_compaction_mean
+    )
+    assert steady == pytest.approx(stats.tokens_reprefilled_predicted_steady)
+    assert abs(stats.tokens_reprefilled / steady - 1) < 0.10
 
 
 def test_closed_form_rejects_r_at_or_above_b():

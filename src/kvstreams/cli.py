@@ -465,6 +465,7 @@ def _rollout_episodes(args) -> int:
     }
     if mode != "reprefill":
         summary.pop("tokens_reprefilled_predicted")
+        summary.pop("tokens_reprefilled_predicted_steady")
     write_json(out / "summary.json", summary)
     print(
         f"wrote {len(names)} traces from {len(results)} episodes ({mode}): {stats.tokens_forwarded} tokens forwarded, "
@@ -664,7 +665,9 @@ def cmd_config(args) -> int:
 def cmd_bench(args) -> int:
     from kvstreams.atomic import write_json
     from kvstreams.bench import BENCHES, print_report
+    from kvstreams.bench.report import pin_allocator
 
+    pin_allocator()  # before anything is allocated: peak-memory figures depend on it
     _quiet_transformers()
     out = Path(args.out)
     _check_out(out)

@@ -68,6 +68,7 @@ class Episode:
     info: dict[str, Any] = field(default_factory=dict)
     compactions: list[dict[str, Any]] = field(default_factory=list)
     segments: list[Trace] = field(default_factory=list)
+    first_fill: int = 0  # tokens forwarded before the first compaction
     started: float = field(default_factory=time.perf_counter)
 
     @property
@@ -90,6 +91,10 @@ class RolloutStats:
     retained_mean: float = 0.0  # r: live tokens right after a compaction
     context_at_compaction_mean: float = 0.0  # B as it happened: live tokens when a compaction fired
     tokens_reprefilled_predicted: float = 0.0  # N * r / (B - r), N = tokens_forwarded - tokens_reprefilled
+    tokens_first_fill: int = 0  # N0: tokens forwarded before each episode's first compaction (summed)
+    # (N - N0) * r / (B - r): the same formula over the steady state only (the first fill from 0 to B
+    # re-prefills nothing, which the closed form does not know)
+    tokens_reprefilled_predicted_steady: float = 0.0
     reward_mean: float = 0.0
     seconds: float = 0.0
     decode_tokens: int = 0  # tokens fed one per row per forward (the model's replies)
@@ -363,6 +368,8 @@ class EpisodeRunner:
         assert self.session is not None and self.strategy is not None
         session, row = self.session, ep.index
         live_before = ep.live_tokens  # the context at its peak: B in the closed form N * r / (B - r)
+        if not ep.compactions:
+            ep.first_fill = session.records[row].fed
         live = [u for u in ep.units if u.live and u.kind != "head"]
         bridge: Unit | None = None
         if bridge_from is not None:
@@ -451,10 +458,12 @@ class EpisodeRunner:
         if events:
             stats.retained_mean = sum(e["retained"] for e in events) / len(events)
             stats.context_at_compaction_mean = sum(e["live_before"] for e in events) / len(events)
+            stats.tokens_first_fill = sum(ep.first_fill for ep in episodes if ep.compactions)
             if stats.retained_mean < stats.context_at_compaction_mean:
-                stats.tokens_reprefilled_predicted = reprefill_closed_form(
-                    c.tokens_forwarded - c.tokens_reprefilled,
-                    stats.retained_mean,
-                    stats.context_at_compaction_mean,
+                new_tokens = c.tokens_forwarded - c.tokens_reprefilled
+                r, b = stats.retained_mean, stats.context_at_compaction_mean
+                stats.tokens_reprefilled_predicted = reprefill_closed_form(new_tokens, r, b)
+                stats.tokens_reprefilled_predicted_steady = reprefill_closed_form(
+                    new_tokens - stats.tokens_first_fill, r, b
                 )
         return stats

@@ -38,7 +38,7 @@ class LearnerBenchSettings:
     lengths: list[int] = field(default_factory=lambda: [1024, 4096, 16384])
     backends: list[str] = field(default_factory=lambda: list(BACKENDS))
     step_episodes: int = 4
-    step_turns: int = 40
+    step_turns: int = 24
     slice_tokens: int = 16384  # KV entries per (layer, head) in the slicing check, small model's shape
     keep_fraction: float = 0.5
     seed: int = 0
@@ -224,7 +224,6 @@ def _learner_steps(model, tok, settings: LearnerBenchSettings, step) -> list[dic
                     "strategy": "sliding_window",
                 },
                 "loss": {"correction": correction, "distill_coef": distill, "kl_coef": 0.0},
-                "optim": {"micro_batch_tokens": 1 << 20},
                 "train": {"steps": 1},
             }
         )

@@ -68,24 +68,31 @@ def peak_memory_supported(device: str = "cpu") -> bool:
     return Path("/proc/self/clear_refs").exists()
 
 
-_ALLOCATOR_PINNED = False
+_LIBC = None
 
 
-def _pin_allocator() -> None:
-    """Make glibc return large blocks to the system when they are freed (a fixed mmap threshold), so
-    that the resident high-water mark of a block measures that block's own allocations."""
-    global _ALLOCATOR_PINNED
-    if _ALLOCATOR_PINNED:
+def pin_allocator() -> None:
+    """Make glibc hand large blocks back to the system when they are freed (a fixed mmap threshold),
+    so that the resident high-water mark of a block measures that block's own allocations. Called
+    once when a benchmark starts, before the models are loaded."""
+    global _LIBC
+    if _LIBC is not None:
         return
-    _ALLOCATOR_PINNED = True
     try:
         import ctypes
 
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: fixed, no dynamic raising
-        libc.mallopt(-1, 0)  # M_TRIM_THRESHOLD: trim the heap top eagerly
+        _LIBC = ctypes.CDLL("libc.so.6")
+        _LIBC.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: fixed, no dynamic raising
+        _LIBC.mallopt(-1, 0)  # M_TRIM_THRESHOLD: trim the heap top eagerly
     except (OSError, AttributeError):
-        pass
+        _LIBC = False
+
+
+def _release_free_memory() -> None:
+    """Return freed heap pages to the system, so that reusing them shows in the resident set again."""
+    pin_allocator()
+    if _LIBC:
+        _LIBC.malloc_trim(0)
 
 
 def available_memory() -> int | None:
@@ -110,7 +117,7 @@ def measure_peak(device: str = "cpu") -> Iterator[Peak]:
         torch.cuda.synchronize()
         probe.peak = torch.cuda.max_memory_allocated()
         return
-    _pin_allocator()
+    _release_free_memory()
     probe = Peak("rss")
     try:
         Path("/proc/self/clear_refs").write_text("5")
@@ -244,27 +251,39 @@ _TEXT_COLUMNS = {"model", "env", "strategy", "mode", "backend", "engine", "polic
 
 @contextmanager
 def progress_bar(total: int) -> Iterator[Callable[[str], None]]:
-    """A progress bar over a benchmark's runs; the callable names the run starting now and advances."""
+    """Progress over a benchmark's runs; the callable names the run starting now and advances.
+
+    A bar on a terminal; otherwise (CI logs, pipes) one line per run on stderr, with the time so far.
+    """
     import sys
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    interactive = sys.stderr.isatty()
+    started = time.perf_counter()
+    count = [0]
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
         transient=True,
-        disable=not sys.stderr.isatty(),
+        disable=not interactive,
     ) as bar:
         task = bar.add_task("starting", total=total)
-        started = [False]
 
         def step(description: str) -> None:
-            if started[0]:
+            if count[0]:
                 bar.advance(task)
-            started[0] = True
+            count[0] += 1
             bar.update(task, description=description)
+            if not interactive:
+                elapsed = time.perf_counter() - started
+                print(
+                    f"[{count[0]}/{total}] {description} ({elapsed:.0f} s so far)",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
         yield step
         bar.advance(task)

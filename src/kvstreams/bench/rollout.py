@@ -56,15 +56,16 @@ class RolloutBenchSettings:
                 max_reply_tokens=8,
                 kv_turns=[4, 8],
             )
-        strategies = ("sliding_window", "markovian", "summary", "model_triggered")
-        tiny = [Point("tiny", "memory", s) for s in strategies]
+        tiny = [Point("tiny", "memory", s) for s in ("sliding_window", "markovian")]
+        # bridges make these two slow on a random model (every summary runs to its token limit)
+        tiny += [Point("tiny", "memory", s, episodes=2, turns=24) for s in ("summary", "model_triggered")]
         tiny += [Point("tiny", "memory", "sliding_window", 768)]
         tiny += [Point("tiny", "textworld", s, episodes=2, turns=30) for s in ("sliding_window", "markovian")]
         small = [
-            Point("small", "memory", "sliding_window", 768, episodes=4, turns=24),
-            Point("small", "memory", "markovian", episodes=4, turns=24),
+            Point("small", "memory", "sliding_window", 768, episodes=4, turns=20),
+            Point("small", "memory", "markovian", episodes=4, turns=16),
         ]
-        return cls(points=tiny + small, kv_turns=[10, 20, 40, 80])
+        return cls(points=tiny + small, kv_turns=[10, 20, 40, 80], kv_episodes=1)
 
 
 def _env_args(env: str, turns: int) -> dict[str, Any]:
@@ -100,6 +101,7 @@ def play(
     budget = runner.strategy.b if runner.strategy is not None else None
     retained = st.retained_mean / st.context_at_compaction_mean if st.compactions else None
     predicted = st.tokens_reprefilled_predicted if mode == "reprefill" else None
+    steady = st.tokens_reprefilled_predicted_steady if mode == "reprefill" else None
     return {
         "model": point.model,
         "env": point.env,
@@ -114,6 +116,8 @@ def play(
         "re-prefilled": st.tokens_reprefilled,
         "closed form": predicted,
         "closed form err": (st.tokens_reprefilled / predicted - 1) if predicted else None,
+        "steady form": steady,
+        "steady err": (st.tokens_reprefilled / steady - 1) if steady else None,
         "filler": st.tokens_filler,
         "seconds": st.seconds,
         "decode tok/s": st.decode_tokens / st.decode_seconds if st.decode_seconds else None,
@@ -127,7 +131,7 @@ def play(
 # Printed columns (the JSON rows hold every figure, e.g. "chunk s" and "peak KV entries").
 RUN_COLUMNS = (
     "model", "env", "strategy", "B", "mode", "compactions/ep", "r/B", "tokens fwd", "re-prefilled",
-    "closed form", "closed form err", "seconds", "decode tok/s", "peak KV MB",
+    "closed form", "closed form err", "steady err", "seconds", "decode tok/s", "peak KV MB",
 )  # fmt: skip
 RATIO_COLUMNS = (
     "model", "env", "strategy", "B", "r/B", "B/(B-r)", "tokens reprefill/stream", "wall reprefill/stream",
@@ -145,7 +149,8 @@ def bench_rollout(settings: RolloutBenchSettings, models_dir: str | Path, out_di
     runs = report.section(
         "runs (same seeds in every mode)",
         RUN_COLUMNS,
-        note="closed form: N r/(B-r) with N the new tokens, r and B averaged over compactions; "
+        note="closed form: N r/(B-r) with N the new tokens, r and B averaged over compactions; steady: the "
+        "same over the tokens after each episode's first compaction (the first fill re-prefills nothing); "
         "peak KV MB: K/V allocated for the batch",
     )
     ratios = report.section("reprefill and full context relative to stream", RATIO_COLUMNS)
@@ -232,15 +237,23 @@ def _targets(report: BenchReport, runs: list[dict], ratios: list[dict], growth: 
         Target("stream re-prefills", "0 tokens", f"max {worst}", worst == 0 if stream else None)
     )
     long = [r for r in runs if r["mode"] == "reprefill" and r["closed form"] and r["compactions/ep"] >= 8]
-    err = max((abs(r["closed form err"]) for r in long), default=None)
-    report.targets.append(
-        Target(
-            "re-prefill extra vs N r/(B-r)",
-            "within 10% (runs with >= 8 compactions per episode)",
-            "-" if err is None else f"worst {100 * err:.1f}% over {len(long)} runs",
-            None if err is None else err <= 0.10,
+    for key, label in (
+        ("closed form err", "N r/(B-r)"),
+        ("steady err", "(N - N0) r/(B-r), N0 the first fill"),
+    ):
+        errors = [abs(r[key]) for r in long if r[key] is not None]
+        worst = max(errors, default=None)
+        within = sum(e <= 0.10 for e in errors)
+        report.targets.append(
+            Target(
+                f"re-prefill extra vs {label}",
+                "within 10% (runs with >= 8 compactions per episode)",
+                "-"
+                if worst is None
+                else f"{within} of {len(errors)} runs within 10%, worst {100 * worst:.0f}%",
+                None if worst is None else worst <= 0.10,
+            )
         )
-    )
     high = [r for r in ratios if r["model"] == "small" and r["r/B"] is not None and r["r/B"] >= 0.8]
     best = max((r["wall reprefill/stream"] for r in high), default=None)
     report.targets.append(
