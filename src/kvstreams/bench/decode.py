@@ -19,8 +19,9 @@ from typing import Any
 import torch
 
 from kvstreams.atomic import write_json
+from kvstreams.bench.kvpress_decode import generate as hf_generate
 from kvstreams.bench.models import bench_model
-from kvstreams.bench.report import BenchReport, Target, measure_peak, progress_bar
+from kvstreams.bench.report import BenchReport, Target, measure_peak, progress_bar, save_figure
 
 
 @dataclass
@@ -40,28 +41,6 @@ class DecodeBenchSettings:
         if quick:
             return cls(models=["tiny"], batch=2, prompt_len=64, new_tokens=96, policies=["snapkv"], repeats=1)
         return cls()
-
-
-def _hf_generate(hf_model, prompts: list[list[int]], new_tokens: int, pad_id: int, seed: int) -> int:
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):  # left padding, as for batched decoding
-        ids[i, width - len(p) :] = torch.tensor(p)
-        mask[i, width - len(p) :] = 1
-    torch.manual_seed(seed)
-    out = hf_model.generate(
-        input_ids=ids,
-        attention_mask=mask,
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        do_sample=True,
-        temperature=1.0,
-        top_k=0,
-        top_p=1.0,
-        pad_token_id=pad_id,
-    )
-    return int(out.shape[1] - width) * len(prompts)
 
 
 def bench_decode(settings: DecodeBenchSettings, models_dir: str | Path, out_dir: str | Path) -> BenchReport:
@@ -99,7 +78,7 @@ def bench_decode(settings: DecodeBenchSettings, models_dir: str | Path, out_dir:
                 path, attn_implementation="sdpa", dtype=torch.float32
             ).eval()
             pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-            _hf_generate(hf, [p[:8] for p in prompts[:2]], 4, pad, settings.seed)  # warm up both
+            hf_generate(hf, [p[:8] for p in prompts[:2]], 4, pad, settings.seed)  # warm up both
             RolloutEngine(model, tok).generate([p[:8] for p in prompts[:2]], SamplingParams(max_new_tokens=4))
 
             step(f"{name}: HF generate")
@@ -107,7 +86,7 @@ def bench_decode(settings: DecodeBenchSettings, models_dir: str | Path, out_dir:
             for _ in range(settings.repeats):
                 with torch.no_grad(), measure_peak() as peak:
                     t0 = time.perf_counter()
-                    tokens = _hf_generate(hf, prompts, settings.new_tokens, pad, settings.seed)
+                    tokens, _ = hf_generate(hf, prompts, settings.new_tokens, pad, settings.seed)
                     best = min(best, time.perf_counter() - t0)
                 peak_extra = max(peak_extra, peak.extra)
             context = settings.prompt_len + settings.new_tokens
@@ -237,8 +216,4 @@ def _plots(rows: list[dict[str, Any]], out: Path) -> list[str]:
         ax.set_title(model)
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle("decode throughput")
-    fig.tight_layout()
-    path = out / "decode.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return [str(path)]
+    return [save_figure(fig, out / "decode.png")]

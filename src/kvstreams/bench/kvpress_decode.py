@@ -5,7 +5,7 @@ environment's Python, because kvpress pins ``transformers < 5.3``:
 
     python -m venv .venv-kvpress && .venv-kvpress/bin/pip install torch==2.13.0 kvpress "transformers<5.3"
 
-It does not import kvstreams. Input: a JSON file with the model directory, the prompts (token ids),
+It does not import kvstreams (`bench decode` imports its `generate`, so both measure the same call). Input: a JSON file with the model directory, the prompts (token ids),
 new_tokens, target_size (the KV budget), compression_interval and repeats. Output: one JSON object
 on stdout, one row per press, in the rows' format of `kvstreams bench decode`.
 """

@@ -27,7 +27,14 @@ import torch
 import torch.nn.functional as F
 
 from kvstreams.bench.models import bench_model
-from kvstreams.bench.report import BenchReport, Target, available_memory, measure_peak, progress_bar
+from kvstreams.bench.report import (
+    BenchReport,
+    Target,
+    available_memory,
+    measure_peak,
+    progress_bar,
+    save_figure,
+)
 from kvstreams.trace import Trace
 
 BACKENDS = ("causal", "sdpa", "flex")
@@ -355,8 +362,4 @@ def _plots(replay: list[dict], out: Path) -> list[str]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle("learner replay: recorded visibility vs plain causal attention")
-    fig.tight_layout()
-    path = out / "learner_replay.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return [str(path)]
+    return [save_figure(fig, out / "learner_replay.png")]

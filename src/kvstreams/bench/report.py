@@ -246,6 +246,16 @@ def print_report(report: BenchReport, console=None) -> None:
         console.print(f"plot: {p}")
 
 
+def save_figure(fig, path: Path) -> str:
+    """Lay out, write (PNG, 120 dpi) and close a matplotlib figure; returns the path."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return str(path)
+
+
 _TEXT_COLUMNS = {"model", "env", "strategy", "mode", "backend", "engine", "policy", "track", "method", "what"}
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstreams.bench.models import bench_model, parameter_count
-from kvstreams.bench.report import BenchReport, Target, progress_bar
+from kvstreams.bench.report import BenchReport, Target, progress_bar, save_figure
 
 MODES = ("stream", "reprefill", "full")
 
@@ -307,11 +307,7 @@ def _plots(ratios: list[dict], growth: list[dict], out: Path) -> list[str]:
         ax.set_title("cost of re-prefill compaction relative to KV streams")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = out / "rollout_speedup.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        paths.append(str(path))
+        paths.append(save_figure(fig, out / "rollout_speedup.png"))
     if growth:
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
         for mode in ("stream", "full"):
@@ -322,9 +318,5 @@ def _plots(ratios: list[dict], growth: list[dict], out: Path) -> list[str]:
         ax.set_title("KV cache: stream compaction vs full context")
         ax.grid(alpha=0.3)
         ax.legend()
-        fig.tight_layout()
-        path = out / "rollout_kv.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        paths.append(str(path))
+        paths.append(save_figure(fig, out / "rollout_kv.png"))
     return paths
