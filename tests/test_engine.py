@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from conftest import random_prompts
 from kvstreams.engine import RolloutEngine, SamplingParams
-from kvstreams.engine.sampling import sample
+from kvstreams.engine.sampling import policy_logprobs, sample
 from kvstreams.errors import KVStreamsError
 from kvstreams.models import model_shape
 from kvstreams.policies import POLICIES, make_policy
@@ -151,17 +153,31 @@ def test_greedy_and_top_k_one_agree(qwen):
         assert g.temperature == 1.0  # greedy log-probs are recorded at temperature 1
 
 
-def test_sampler_logprob_is_before_truncation():
+def test_sampler_records_the_logprob_of_the_distribution_it_samples_from():
+    """With top-k / top-p the recorded log-prob is that of the truncated, renormalised distribution;
+    the empirical frequencies of the drawn tokens agree with it (and not with the untruncated one)."""
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
-    params = SamplingParams(temperature=0.7, top_k=2, top_p=0.9)
+    params = SamplingParams(temperature=0.7, top_k=3, top_p=0.9)
     g = torch.Generator().manual_seed(0)
-    token, lp = sample(logits, params, g)
-    expected = torch.log_softmax(logits / 0.7, -1)[0, token]
-    assert torch.allclose(lp, expected)
+    counts, recorded = torch.zeros(4), torch.zeros(4)
+    for _ in range(4000):
+        token, lp = sample(logits, params, g)
+        counts[token] += 1
+        recorded[token] = lp.exp()
+    assert counts[3] == 0  # outside the top-k
+    frequency = counts / counts.sum()
+    seen = counts > 0
+    assert torch.allclose(frequency[seen], recorded[seen], atol=0.02)
+    assert abs(recorded[seen].sum() - 1) < 1e-5  # the recorded probabilities are one distribution
+    untruncated = torch.softmax(logits / 0.7, -1)[0]
+    assert not torch.allclose(frequency[seen], untruncated[seen], atol=0.02)
+    # the learner's rule gives the same log-prob, and keeps a sampled token whatever its rank
+    assert torch.allclose(policy_logprobs(logits, token, 0.7, 3, 0.9), lp)
+    assert float(policy_logprobs(logits, torch.tensor([3]), 0.7, 3, 0.9)) > -math.inf
     # top-p keeps the token that crosses the threshold: with top_p tiny only the argmax remains
     for seed in range(20):
-        tok, _ = sample(logits, SamplingParams(top_p=0.01), torch.Generator().manual_seed(seed))
-        assert int(tok) == 0
+        tok, lp = sample(logits, SamplingParams(top_p=0.01), torch.Generator().manual_seed(seed))
+        assert int(tok) == 0 and float(lp) == 0.0
 
 
 def test_budget_too_small_for_protected_entries(qwen):
@@ -171,9 +187,19 @@ def test_budget_too_small_for_protected_entries(qwen):
         engine.generate(random_prompts(1, 20), SamplingParams(max_new_tokens=50))
 
 
-def test_policy_version_is_recorded(qwen):
+def test_policy_version_is_recorded_and_follows_mid_generation_updates(qwen):
     model, tok = qwen
-    engine = RolloutEngine(model, tok)
-    engine.policy_version = 3
+    engine = RolloutEngine(model, tok, policy_version=3)
     (trace,) = engine.generate(random_prompts(1, 10), SamplingParams(max_new_tokens=5, stop_token_ids=()))
     assert trace.policy_version is not None and bool((trace.policy_version == 3).all())
+
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def update_after_two(step: int, target) -> None:
+        if step == 2:
+            target.update_weights(state, 4)  # same values: only the version moves
+
+    (trace,) = engine.generate(
+        random_prompts(1, 10), SamplingParams(max_new_tokens=5, stop_token_ids=()), on_step=update_after_two
+    )
+    assert trace.policy_version[trace.sampled_mask].tolist() == [3, 3, 4, 4, 4]

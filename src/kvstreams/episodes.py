@@ -137,6 +137,7 @@ class EpisodeRunner:
         max_episode_tokens: int = 32768,
         episode_timeout_s: float = 600.0,
         model_name: str = "",
+        policy_version: int = 0,
     ) -> None:
         if mode not in MODES:
             raise KVStreamsError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
@@ -157,6 +158,7 @@ class EpisodeRunner:
         self.max_episode_tokens = max_episode_tokens
         self.episode_timeout_s = episode_timeout_s
         self.model_name = model_name or str(getattr(model.config, "_name_or_path", ""))
+        self.policy_version = policy_version  # the weights version the model holds when run() starts
         self.filler = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.chat.end_of_turn
         self.header = self.chat.assistant_header()
         self.marker_tokens: list[int] = []
@@ -185,7 +187,7 @@ class EpisodeRunner:
         start = time.perf_counter()
         if self.strategy is not None:
             self.strategy = self.strategy.with_budget(envs[0].context_budget)
-        self.session = session = StreamSession(self.model, len(envs))
+        self.session = session = StreamSession(self.model, len(envs), policy_version=self.policy_version)
         self.tokens_filler = 0
         episodes = [
             Episode(i, s, env, torch.Generator().manual_seed(self.sampling.seed * 1_000_003 + ss))
@@ -423,6 +425,8 @@ class EpisodeRunner:
     def _meta(self, ep: Episode, events: list[dict[str, Any]]) -> dict[str, str]:
         return {
             "temperature": str(self.sampling.temperature),
+            "top_p": str(self.sampling.top_p),
+            "top_k": str(self.sampling.top_k),
             "policy": "full",
             "mode": self.mode,
             "model": self.model_name,

@@ -81,6 +81,16 @@ class Trace:
         t = float(self.metadata["temperature"])
         return t if t > 0 else 1.0
 
+    @property
+    def top_k(self) -> int:
+        """top-k truncation the sampler applied (0: none; greedy traces record none)."""
+        return int(self.metadata.get("top_k", "0")) if float(self.metadata["temperature"]) > 0 else 0
+
+    @property
+    def top_p(self) -> float:
+        """top-p truncation the sampler applied (1: none; greedy traces record none)."""
+        return float(self.metadata.get("top_p", "1")) if float(self.metadata["temperature"]) > 0 else 1.0
+
     def death_for(self, n_layers: int, n_kv_heads: int) -> torch.Tensor:
         """``death`` broadcast to [n_layers, n_kv_heads, T]."""
         L, H, T = self.death.shape
@@ -163,6 +173,14 @@ class Trace:
         except ValueError:
             raise TraceFormatError(
                 f"trace temperature {self.metadata['temperature']!r} is not a number >= 0"
+            ) from None
+        try:
+            if self.top_k < 0 or not 0.0 < self.top_p <= 1.0:
+                raise ValueError
+        except ValueError:
+            raise TraceFormatError(
+                f"trace top_k {self.metadata.get('top_k')!r} / top_p {self.metadata.get('top_p')!r} "
+                "must be an integer >= 0 and a number in (0, 1]"
             ) from None
 
     # --- storage ---------------------------------------------------------------------------------

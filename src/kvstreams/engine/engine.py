@@ -232,7 +232,12 @@ class RolloutEngine:
     """
 
     def __init__(
-        self, model, tokenizer=None, policy: EvictionPolicy | None = None, model_name: str = ""
+        self,
+        model,
+        tokenizer=None,
+        policy: EvictionPolicy | None = None,
+        model_name: str = "",
+        policy_version: int = 0,
     ) -> None:
         if getattr(model.config, "_attn_implementation", None) != "kvstreams":
             raise KVStreamsError(
@@ -243,7 +248,7 @@ class RolloutEngine:
         self.policy = policy or make_policy("full")
         self.model_name = model_name or str(getattr(model.config, "_name_or_path", ""))
         self.shape = model_shape(model)
-        self.policy_version = 0
+        self.policy_version = policy_version  # the weights version; every sampled token records it
         self.last_stats = RolloutStats()
 
     @property
@@ -256,16 +261,24 @@ class RolloutEngine:
         eos = getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer is not None else None
         return {eos} if eos is not None else set()
 
+    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Load new weights in place (between decode steps: the cache is kept); tokens sampled from now
+        on record ``version``."""
+        self.model.load_state_dict(state_dict, strict=True)
+        self.policy_version = version
+
     @torch.no_grad()
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
         params: SamplingParams,
         progress: Callable[[int], None] | None = None,
+        on_step: Callable[[int, RolloutEngine], None] | None = None,
     ) -> list[Trace]:
         """Sample one continuation per prompt; returns one :class:`Trace` per prompt, in order.
 
-        ``progress(1)`` is called after every decode step (for progress bars).
+        ``progress(1)`` is called after every decode step (for progress bars); ``on_step(n, engine)``
+        too, where it may call :meth:`update_weights` (asynchronous training).
         """
         if not prompts or any(len(p) == 0 for p in prompts):
             raise KVStreamsError("every prompt needs at least one token")
@@ -313,6 +326,7 @@ class RolloutEngine:
         events = evicting.long().clone()
 
         tokens = [list(p) for p in prompts]
+        versions = [[self.policy_version] * len(p) for p in prompts]
         logprobs: list[list[float]] = [[] for _ in prompts]
         deaths: list[torch.Tensor | None] = [None] * n
         finished_events = [0] * n
@@ -324,11 +338,14 @@ class RolloutEngine:
                 zip(batch.seq.tolist(), new_tokens.tolist(), new_lp.tolist(), strict=True)
             ):
                 tokens[seq].append(tok)
+                versions[seq].append(self.policy_version)
                 logprobs[seq].append(lp)
                 if tok in stop_ids or step_no == G - 1:
                     done.append(row)
             if progress is not None:
                 progress(1)
+            if on_step is not None:
+                on_step(step_no + 1, self)
             if done:  # finished sequences leave the batch; their record is complete
                 for row in done:
                     seq = int(batch.seq[row])
@@ -359,7 +376,7 @@ class RolloutEngine:
             events += evicting.long()
 
         traces = [
-            self._trace(tokens[i], prompt_lens[i], logprobs[i], deaths[i], params, budgets[i])
+            self._trace(tokens[i], prompt_lens[i], logprobs[i], versions[i], deaths[i], params, budgets[i])
             for i in range(n)
         ]
         self.last_stats = RolloutStats(
@@ -378,6 +395,7 @@ class RolloutEngine:
         tokens: list[int],
         prompt_len: int,
         logprobs: list[float],
+        versions: list[int],
         death: torch.Tensor | None,
         params: SamplingParams,
         budget: int,
@@ -392,7 +410,7 @@ class RolloutEngine:
             sampled=[False] * prompt_len + [True] * generated,
             loss=[False] * prompt_len + [True] * generated,
             logprobs=[math.nan] * prompt_len + logprobs,
-            versions=[self.policy_version] * length,
+            versions=versions,
             metadata={
                 "temperature": str(params.temperature),
                 "top_p": str(params.top_p),

@@ -1,4 +1,11 @@
-"""Token sampling: temperature, top-k, top-p; the recorded log-prob is taken before truncation."""
+"""Token sampling: temperature, top-k, top-p; the recorded log-prob is the one sampled from.
+
+The sampler draws from the truncated distribution (top-k / top-p applied to the temperature-scaled
+logits, renormalised) and records that distribution's log-prob of the drawn token. The learner
+applies the same :func:`truncate` to its own logits (the trace keeps ``top_k``/``top_p``), so
+with ``top_p < 1`` the PPO ratio and the mismatch metrics compare the distribution actually sampled
+from; a learner that skipped the truncation would show the gap in ``mismatch/*``.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +19,7 @@ from kvstreams.errors import KVStreamsError
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 256
-    temperature: float = 1.0  # 0 means greedy; its log-probs are then recorded at temperature 1
+    temperature: float = 1.0  # 0 means greedy; its log-probs are then recorded at temperature 1, untruncated
     top_p: float = 1.0
     top_k: int = 0  # 0 disables
     stop_token_ids: tuple[int, ...] | None = None  # None: the tokenizer's end-of-turn token
@@ -33,23 +40,49 @@ class SamplingParams:
         return self.temperature if self.temperature > 0 else 1.0
 
 
+def truncate(
+    scaled: torch.Tensor, top_k: int = 0, top_p: float = 1.0, always: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Temperature-scaled logits [..., V] with -inf outside the top-k and top-p sets.
+
+    top-p keeps the smallest set of most likely tokens whose probability reaches ``top_p`` (the token
+    that crosses it stays). ``always`` [...] names a token per row that stays whatever its rank: the
+    learner passes the sampled token, which the sampler's set held by construction, so float noise
+    at the boundary can never make a sampled token impossible.
+    """
+    out = scaled
+    if 0 < top_k < out.shape[-1]:
+        kth = out.topk(top_k, dim=-1).values[..., -1:]
+        out = out.masked_fill(out < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = out.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        drop = probs.cumsum(dim=-1) - probs >= top_p
+        out = out.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    if always is not None and out is not scaled:
+        index = always[..., None]
+        out = out.scatter(-1, index, scaled.gather(-1, index))
+    return out
+
+
+def policy_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0
+) -> torch.Tensor:
+    """log pi(target) [...] under the distribution the sampler draws from: logits [..., V] scaled by
+    ``temperature``, truncated to top-k / top-p (the target always kept), renormalised."""
+    scaled = truncate(logits.float() / temperature, top_k, top_p, always=targets)
+    return torch.log_softmax(scaled, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+
+
 def sample(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, V] -> (tokens [B], log-probs [B] under softmax(logits / temperature))."""
+    """logits [B, V] -> (tokens [B], log-probs [B] of the distribution sampled from)."""
     logits = logits.float()
-    logp = torch.log_softmax(logits / params.logprob_temperature, dim=-1)
     if params.temperature == 0:
+        logp = torch.log_softmax(logits, dim=-1)
         tokens = logits.argmax(dim=-1)
         return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
-    filtered = logits / params.temperature
-    if params.top_k > 0 and params.top_k < filtered.shape[-1]:
-        kth = filtered.topk(params.top_k, dim=-1).values[..., -1:]
-        filtered = filtered.masked_fill(filtered < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = filtered.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        drop = probs.cumsum(dim=-1) - probs >= params.top_p  # keeps the token that crosses top_p
-        filtered = filtered.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    tokens = torch.multinomial(filtered.softmax(dim=-1), 1, generator=generator).squeeze(-1)
+    logp = torch.log_softmax(truncate(logits / params.temperature, params.top_k, params.top_p), dim=-1)
+    tokens = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)

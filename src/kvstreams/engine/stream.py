@@ -86,14 +86,21 @@ class SessionCounters:
 
 
 class StreamSession:
-    def __init__(self, model, n_rows: int, initial_capacity: int = 256, initial_length: int = 1024) -> None:
+    def __init__(
+        self,
+        model,
+        n_rows: int,
+        initial_capacity: int = 256,
+        initial_length: int = 1024,
+        policy_version: int = 0,
+    ) -> None:
         self.model = model
         self.shape = model_shape(model)
         device = next(model.parameters()).device
         self.device = device
         self.cache = SlotCache(self.shape, n_rows, initial_capacity, initial_length, model.dtype, device)
         self.records = [Record() for _ in range(n_rows)]
-        self.policy_version = 0
+        self.policy_version = policy_version  # the weights version; appended tokens record it
         self.counters = SessionCounters(kv_peak_bytes=self.cache.kv_bytes)
 
     # --- the record ------------------------------------------------------------------------------

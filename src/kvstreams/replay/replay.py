@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kvstreams.attention import attention_context
+from kvstreams.engine.sampling import policy_logprobs
 from kvstreams.errors import KVStreamsError
 from kvstreams.models import model_shape
 from kvstreams.replay.masks import block_mask_from_death, dense_visibility
@@ -41,7 +42,7 @@ class ReplayBatch:
     positions: torch.Tensor  # [B, T]
     death: torch.Tensor  # [B, L or 1, H_kv or 1, T], indices within the row
     spans: list[tuple[int, int, int]]
-    temperatures: list[float]
+    sampling: list[tuple[float, int, float]]  # per trace: temperature, top_k, top_p it was sampled with
 
     def to(self, device) -> ReplayBatch:
         return ReplayBatch(
@@ -49,7 +50,7 @@ class ReplayBatch:
             self.positions.to(device),
             self.death.to(device),
             self.spans,
-            self.temperatures,
+            self.sampling,
         )
 
 
@@ -93,7 +94,7 @@ def collate(
         else:
             d = trace.death_for(n_layers, n_kv_heads)[:L, :H] if (L, H) != (1, 1) else trace.death[:1, :1]
             death[row, :, :, start : start + n] = d.expand(L, H, n) + start
-    return ReplayBatch(tokens, positions, death, spans, [t.temperature for t in traces])
+    return ReplayBatch(tokens, positions, death, spans, [(t.temperature, t.top_k, t.top_p) for t in traces])
 
 
 FLEX_BLOCK_SIZE = 128
@@ -162,12 +163,12 @@ def replay_logits(model, batch: ReplayBatch, backend: Backend = "sdpa") -> torch
 
 
 def token_logprobs(logits: torch.Tensor, batch: ReplayBatch) -> list[torch.Tensor]:
-    """Per trace, [T] log-prob of each token given what precedes it (NaN at index 0), float32."""
+    """Per trace, [T] log-prob of each token given what precedes it (NaN at index 0), float32, under
+    the distribution the trace was sampled from (its temperature, top-k and top-p)."""
     out = []
-    for (row, start, n), temperature in zip(batch.spans, batch.temperatures, strict=True):
-        logp = torch.log_softmax(logits[row, start : start + n - 1].float() / temperature, dim=-1)
+    for (row, start, n), (temperature, top_k, top_p) in zip(batch.spans, batch.sampling, strict=True):
         targets = batch.tokens[row, start + 1 : start + n].to(logits.device)
-        lp = logp.gather(-1, targets[:, None]).squeeze(-1)
+        lp = policy_logprobs(logits[row, start : start + n - 1], targets, temperature, top_k, top_p)
         out.append(torch.cat([torch.full((1,), float("nan"), device=lp.device), lp]))
     return out
 
