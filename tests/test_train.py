@@ -12,7 +12,9 @@ import torch
 from kvstreams.errors import KVStreamsError
 from kvstreams.train import loss as L
 from kvstreams.train.config import load_config
+from kvstreams.train.corrections import Behaviour, NaiveLoss, SparseRLLoss, SparseRLReleasedLoss, TISLoss
 from kvstreams.train.learner import Learner
+from kvstreams.train.prepare import learner_items
 from kvstreams.train.rollouts import RolloutSource
 
 # --- loss terms --------------------------------------------------------------------------------------
@@ -49,17 +51,61 @@ def test_kl_entropy_distillation_weights():
     student_logits = torch.log(torch.tensor([[0.25, 0.75]]))
     expected = 0.5 * math.log(0.5 / 0.25) + 0.5 * math.log(0.5 / 0.75)
     assert float(L.distillation_kl(teacher, student_logits)) == pytest.approx(expected, rel=1e-5)
-    w = L.truncated_importance_weights(torch.tensor([0.5, -1.0, 0.1]), torch.zeros(3), 0.8, 1.2)
-    assert torch.allclose(w, torch.tensor([1.2, 0.8, math.exp(0.1)]))
-    keep = L.reject_most_deviated(torch.tensor([0.1, 0.9, 0.5, 0.2, 0.3]), 0.2)
-    assert keep.tolist() == [True, False, True, True, True]
 
 
-def test_aggregation():
-    per_token = torch.tensor([1.0, 3.0, 10.0])
-    seq = torch.tensor([0, 0, 1])
-    assert float(L.aggregate(per_token, seq, 2, "token", total_tokens=3)) == pytest.approx(14 / 3)
-    assert float(L.aggregate(per_token, seq, 2, "sequence", total_tokens=3)) == pytest.approx((2 + 10) / 2)
+def test_aggregation_counts_kept_tokens_only():
+    per_token = torch.tensor([1.0, 3.0, 10.0, 100.0])
+    seq = torch.tensor([0, 0, 1, 2])
+    everything = torch.ones(4, dtype=torch.bool)
+    assert float(L.aggregate(per_token[:3], seq[:3], everything[:3], "token", 3, 2)) == pytest.approx(14 / 3)
+    assert float(L.aggregate(per_token[:3], seq[:3], everything[:3], "sequence", 3, 2)) == pytest.approx(6)
+    # token 1 rejected, sequence 2 rejected whole: they leave the sums and the normalisers
+    keep = torch.tensor([True, False, True, False])
+    assert float(L.aggregate(per_token, seq, keep, "token", 2, 2)) == pytest.approx(11 / 2)
+    assert float(L.aggregate(per_token, seq, keep, "sequence", 2, 2)) == pytest.approx((1 + 10) / 2)
+
+
+# --- the corrections on hand-made log-probs --------------------------------------------------------
+
+
+def behaviour(start: list[float], sampler: list[float], seq: list[int]) -> Behaviour:
+    return Behaviour(torch.tensor(sampler), torch.tensor(start), torch.tensor(seq), max(seq) + 1)
+
+
+def test_tis_truncates_the_learner_over_sampler_ratio():
+    b = behaviour([0.5, -1.0, 0.1], [0.0, 0.0, 0.0], [0, 0, 1])
+    w = TISLoss(type="tis").weigh(b)
+    assert torch.allclose(w.weight, torch.tensor([math.exp(0.5), math.exp(-1.0), math.exp(0.1)]))
+    w = TISLoss(type="tis", cap=1.2, floor=0.8).weigh(b)
+    assert torch.allclose(w.weight, torch.tensor([1.2, 0.8, math.exp(0.1)]))
+    assert torch.equal(w.old_logp, b.start_logp) and bool(w.keep.all())
+
+
+def test_sparse_rl_as_smd_describes_it():
+    # five sequences of two tokens; sequence 3 deviates most (mean |log rho| 1.0): the top 20% go
+    start = [-1.0, -1.0, -2.0, -2.1, -0.5, -0.6, 0.0, -2.0, -3.0, -3.0]
+    sampler = [-1.1, -0.9, -2.0, -2.0, -0.5, -0.5, -1.0, -1.0, -3.2, -3.0]
+    seq = [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+    w = SparseRLLoss(type="sparse_rl").weigh(behaviour(start, sampler, seq))
+    assert w.keep.tolist() == [True] * 6 + [False, False] + [True, True]
+    rho = torch.exp(torch.tensor(start) - torch.tensor(sampler))
+    assert torch.allclose(w.weight, rho.clamp(0.8, 1.2))
+
+
+def test_sparse_rl_released_rule():
+    # token band [0.5, 1.5], weights min(rho, 1.5) / mean, veto below 1e-4
+    log_rho = [0.0, math.log(2.0), math.log(0.6), 0.0, math.log(1e-5), 0.0, math.log(0.4)]
+    seq = [0, 0, 0, 1, 1, 2, 2]
+    w = SparseRLReleasedLoss(type="sparse_rl_released").weigh(behaviour(log_rho, [0.0] * 7, seq))
+    # token 1 (rho 2) and token 6 (rho 0.4) leave the band; sequence 1 is vetoed whole by token 4
+    assert w.keep.tolist() == [True, False, True, False, False, True, False]
+    raw = torch.tensor([1.0, 1.5, 0.6, 1.0, 1e-5, 1.0, 0.4])
+    assert torch.allclose(w.weight, raw / raw.mean(), rtol=1e-4)
+    assert w.metrics["correction/vetoed_seq_frac"] == pytest.approx(1 / 3)
+    unnormalised = SparseRLReleasedLoss(type="sparse_rl_released", batch_normalize=False, veto_threshold=0)
+    w = unnormalised.weigh(behaviour(log_rho, [0.0] * 7, seq))
+    assert torch.allclose(w.weight, raw, rtol=1e-4)
+    assert w.keep.tolist() == [True, False, True, True, False, True, False]  # no veto: only the band
 
 
 def test_distillation_gradient_does_not_reach_the_teacher():
@@ -91,43 +137,94 @@ def small_config(model_dir: str, tmp_path, **sets):
     return load_config(None, overrides)
 
 
-def learner_step_then_restore(model, cfg, batch) -> dict[str, float]:
+def items_of(batch, cfg, step: int = 0):
+    return learner_items(
+        batch, step, cfg.rollout.group_size, cfg.loss.normalize_std, cfg.train.max_off_policy_steps
+    )[0]
+
+
+def learner_step_then_restore(model, cfg, batch, loss=None) -> dict[str, float]:
     """One learner step on the shared session model, which is put back as it was afterwards."""
     state = {k: v.clone() for k, v in model.state_dict().items()}
     try:
-        return Learner(model, cfg).step(batch)
+        learner = Learner(model, cfg)
+        if loss is not None:
+            learner.loss = loss
+        return learner.step(batch if isinstance(batch, list) else items_of(batch, cfg))
     finally:
         model.load_state_dict(state)
 
 
-@pytest.mark.parametrize(("correction", "shadow_ratio"), [("shadow", True), ("naive", False)])
-def test_first_update_ratio_is_one_only_under_shadow(qwen, model_dirs, tmp_path, correction, shadow_ratio):
+@pytest.fixture(scope="module")
+def compacted_batch(qwen, model_dirs, tmp_path_factory):
+    """Real rollouts with compaction (stream mode), shared by the learner tests."""
     model, tok = qwen
-    cfg = small_config(model_dirs["qwen3"], tmp_path, **{"loss.correction": f'"{correction}"'})
+    cfg = small_config(model_dirs["qwen3"], tmp_path_factory.mktemp("batch"), **{"rollout.group_size": 5})
     batch = RolloutSource(model, tok, cfg).collect(step=0)
     assert batch.stats.compactions > 0  # the rollouts really were compacted
-    metrics = learner_step_then_restore(model, cfg, batch)
-    if shadow_ratio:
-        assert metrics["ratio/first_update_max_abs_dev"] < 1e-4
-        assert metrics["mismatch/kl"] < 1e-9
-        assert metrics["loss/distill"] > 0
-    else:
-        assert metrics["ratio/first_update_max_abs_dev"] > 1e-2
-        assert metrics["mismatch/kl"] > 1e-3
-        assert metrics["loss/distill"] == 0
+    return batch
 
 
-@pytest.mark.parametrize("correction", ["tis", "sparse_rl"])
-def test_importance_weighted_baselines(qwen, model_dirs, tmp_path, correction):
-    model, tok = qwen
+@pytest.mark.parametrize(
+    ("correction", "ratio_one", "mismatch"),
+    [("shadow", True, False), ("naive", True, True), ("behaviour_ratio", False, True)],
+)
+def test_first_update_ratio_and_mismatch(
+    qwen, model_dirs, tmp_path, compacted_batch, correction, ratio_one, mismatch
+):
+    """shadow: ratio 1 and no mismatch; naive (SMD's): ratio 1 (pi_old is the dense learner) but the
+    mismatch is there, uncorrected; behaviour_ratio: pi_old is the sampler, so the ratio is off 1."""
+    model, _ = qwen
     cfg = small_config(
-        model_dirs["qwen3"], tmp_path, **{"loss.correction": f'"{correction}"', "rollout.group_size": 5}
+        model_dirs["qwen3"], tmp_path, **{"loss.type": f'"{correction}"', "rollout.group_size": 5}
     )
-    batch = RolloutSource(model, tok, cfg).collect(step=0)
-    metrics = learner_step_then_restore(model, cfg, batch)
+    metrics = learner_step_then_restore(model, cfg, compacted_batch)
+    assert (metrics["ratio/first_update_max_abs_dev"] < 1e-4) == ratio_one
+    assert (metrics["mismatch/k3_kl"] > 1e-3) == mismatch
+    assert (metrics["mismatch/abs_logprob_diff_max"] > 1e-1) == mismatch
+    if not mismatch:
+        assert metrics["mismatch/k3_kl"] < 1e-9 and metrics["mismatch/ess"] > 1 - 1e-6
+        assert metrics["loss/distill"] > 0  # SMD's dense teacher, lambda 0.1 by default
+    else:
+        assert "loss/distill" not in metrics and metrics["mismatch/ess"] < 1
+
+
+@pytest.mark.parametrize("correction", ["tis", "sparse_rl", "sparse_rl_released"])
+def test_importance_weighted_baselines(qwen, model_dirs, tmp_path, compacted_batch, correction):
+    model, _ = qwen
+    cfg = small_config(
+        model_dirs["qwen3"], tmp_path, **{"loss.type": f'"{correction}"', "rollout.group_size": 5}
+    )
+    metrics = learner_step_then_restore(model, cfg, compacted_batch)
     # pi_old is the learner's own dense log-prob: ratio 1 at the first update, weights do the correcting
     assert metrics["ratio/first_update_max_abs_dev"] < 1e-4
-    assert metrics["rollout/discarded_frac"] == pytest.approx(0.2 if correction == "sparse_rl" else 0.0)
+    if correction == "sparse_rl":  # 5 sequences: the most deviated one goes
+        assert metrics["correction/discarded_seq_frac"] == pytest.approx(0.2)
+    if correction == "sparse_rl_released":  # the dense learner is far off: the band rejects tokens
+        assert 0 < metrics["correction/band_rejected_token_frac"] < 1
+        assert metrics["correction/kept_token_frac"] < 1
+
+
+class DropFirstSequence(NaiveLoss):
+    """Test correction: the naive baseline that rejects every token of the batch's first sequence."""
+
+    def weigh(self, b):
+        w = super().weigh(b)
+        w.keep = b.seq != 0
+        return w
+
+
+def test_rejected_tokens_leave_the_loss_and_its_normaliser(qwen, model_dirs, tmp_path, compacted_batch):
+    """Rejecting a sequence must train exactly as if it had never been in the batch: same loss,
+    entropy and gradient (before clipping) as the same correction on the other sequences alone."""
+    model, _ = qwen
+    cfg = small_config(model_dirs["qwen3"], tmp_path, **{"loss.type": '"naive"', "rollout.group_size": 5})
+    items = items_of(compacted_batch, cfg)
+    rejected = learner_step_then_restore(model, cfg, items, loss=DropFirstSequence(type="naive"))
+    without = learner_step_then_restore(model, cfg, items[1:])
+    for key in ("loss/pg", "entropy/mean", "grad/norm", "tokens/trained"):
+        assert rejected[key] == pytest.approx(without[key], rel=1e-4, abs=1e-7), key
+    assert rejected["correction/discarded_seq_frac"] == pytest.approx(1 / len(items))
 
 
 def test_train_end_to_end_and_resume_matches(model_dirs, tmp_path):
@@ -141,6 +238,12 @@ def test_train_end_to_end_and_resume_matches(model_dirs, tmp_path):
     for key in (
         "reward/mean",
         "mismatch/kl",
+        "mismatch/k3_kl",
+        "mismatch/chi2_token",
+        "mismatch/log_ppl_diff",
+        "mismatch/is_weight_std",
+        "mismatch/ess",
+        "mismatch/abs_logprob_diff_max",
         "loss/pg",
         "loss/distill",
         "clip/frac",
@@ -149,14 +252,22 @@ def test_train_end_to_end_and_resume_matches(model_dirs, tmp_path):
         "kv/peak_bytes",
         "tokens/forwarded",
         "tokens/reprefilled",
-        "rollout/discarded_frac",
+        "tokens/reprefill_equivalent",
+        "correction/discarded_seq_frac",
+        "off_policy/token_staleness_max",
+        "off_policy/dropped_frac",
     ):
         assert key in rows[1], key
     assert "eval/reward_mean" in rows[0] and "eval/reward_mean" in rows[2]
     assert {p.name for p in run.glob("*.png")} >= {"reward.png", "mismatch.png", "kv.png", "tokens.png"}
     assert any((run / "tensorboard").iterdir())
-    assert summary["mismatch_kl_mean"] < 1e-9
+    assert summary["mismatch_k3_kl_mean"] < 1e-9
+    assert "first compaction" in summary["tokens_reprefill_equivalent_formula"]
     assert len(list((run / "checkpoints").glob("step-*"))) == 2
+    # synchronous: the rollouts of step s are sampled by version s, every token fresh
+    for r in rows[1:]:
+        assert r["rollout/version_min"] == r["rollout/version_max"] == r["step"] - 1
+        assert r["off_policy/token_staleness_max"] == 0 and r["off_policy/token_frac_0"] == 1
 
     # interrupted after step 1, resumed: step 2 is the same as in the uninterrupted run
     cfg_b = small_config(model_dirs["qwen3"], tmp_path / "b", **{"train.steps": 1})
@@ -167,11 +278,18 @@ def test_train_end_to_end_and_resume_matches(model_dirs, tmp_path):
     train(cfg_b2, resume=True, show_progress=False)
     rows_b = [json.loads(x) for x in (tmp_path / "b" / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows_b] == [0, 1, 2]
-    for key in ("loss/pg", "loss/distill", "entropy/mean", "reward/mean", "tokens/forwarded"):
+    for key in (
+        "loss/pg",
+        "loss/distill",
+        "entropy/mean",
+        "reward/mean",
+        "tokens/forwarded",
+        "rollout/version_min",
+    ):
         assert rows_b[2][key] == pytest.approx(rows[2][key], rel=1e-5, abs=1e-7), key
 
 
-def test_async_training_records_versions(model_dirs, tmp_path):
+def test_async_training_versions_within_the_bounds(model_dirs, tmp_path):
     from kvstreams.train.loop import train
 
     cfg = small_config(
@@ -179,29 +297,125 @@ def test_async_training_records_versions(model_dirs, tmp_path):
         tmp_path,
         **{
             "train.asynchronous": "true",
-            "train.steps": 3,
+            "train.steps": 4,
             "train.eval_every": 0,
-            "train.max_off_policy_steps": 2,
+            "train.max_async_level": 1,
+            "train.max_off_policy_steps": 1,
         },
     )
     train(cfg, show_progress=False)
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for r in rows:
-        assert r["rollout/staleness_max"] <= 2  # never more than max_off_policy_steps behind
-    # new weights reached the rollout engine (possibly mid-episode, without flushing its cache)
-    assert max(r["rollout/version_max"] for r in rows) >= 1
+        step = r["step"] - 1
+        # the rollouts of step s start with version >= s - max_async_level; none is newer than s
+        assert step - 1 <= r["rollout/version_min"] <= r["rollout/version_max"] <= step
+        assert r["off_policy/token_staleness_max"] <= 1 and r["off_policy/dropped_frac"] == 0
+    assert max(r["rollout/version_max"] for r in rows) >= 2  # new weights reached the rollout copy
+
+
+class PublishMidEpisode:
+    """Stands in for the learner's published weights: a new version appears after ``after`` polls
+    (the rollout thread polls between decode steps), so it lands in the middle of running episodes."""
+
+    def __init__(self, state, after: int) -> None:
+        self.state, self.after, self.polls = state, after, 0
+
+    def take_newer(self, than: int):
+        self.polls += 1
+        return (1, self.state) if self.polls > self.after and than < 1 else None
+
+
+def test_async_token_sampled_after_a_mid_episode_update_carries_the_new_version(qwen, model_dirs, tmp_path):
+    from kvstreams.train.loop import AsyncRollouts
+
+    model, tok = qwen
+    cfg = small_config(model_dirs["qwen3"], tmp_path, **{"train.asynchronous": "true", "train.steps": 1})
+    new_state = {
+        k: v + 0.01 * torch.randn_like(v) if v.is_floating_point() else v
+        for k, v in model.state_dict().items()
+    }
+    producer = AsyncRollouts(model, tok, cfg, 0, PublishMidEpisode(new_state, after=8))
+    try:
+        batch, _ = producer.get()
+    finally:
+        producer.close()
+    for sample in batch.samples:
+        v = sample.trace.policy_version[sample.trace.sampled_mask]
+        assert v[0] == 0 and v[-1] == 1  # the episode ran across the update ...
+        assert bool((v[1:] >= v[:-1]).all())  # ... and every token after it carries version 1
+        assert int((v == 0).sum()) == 8  # the 8 decode steps before the update
+    key = "model.layers.0.self_attn.q_proj.weight"  # (embeddings may be tied: loaded twice)
+    assert torch.equal(producer.model.state_dict()[key], new_state[key])
+
+
+def test_stale_groups_are_dropped_whole():
+    from kvstreams.episodes import RolloutStats
+    from kvstreams.trace import Trace
+    from kvstreams.train.prepare import stale_groups
+    from kvstreams.train.rollouts import RolloutBatch, Sample
+
+    def trace(versions: list[int]) -> Trace:
+        T = len(versions) + 1
+        return Trace.from_record(
+            list(range(T)),
+            torch.full((1, 1, T), T),
+            [False] + [True] * (T - 1),
+            [False] + [True] * (T - 1),
+            [math.nan] + [-1.0] * (T - 1),
+            [versions[0], *versions],
+            {"temperature": "1", "policy": "full", "mode": "stream", "model": "m"},
+        )
+
+    samples = [
+        Sample(trace([5, 5, 6]), 0, 0, 1.0),
+        Sample(trace([6, 6]), 0, 1, 0.0),  # fresh, but its group holds a token of version 5
+        Sample(trace([6, 7]), 1, 2, 1.0),
+        Sample(trace([7, 7]), 1, 3, 0.0),
+    ]
+    batch = RolloutBatch(samples, [1.0, 0.0, 1.0, 0.0], RolloutStats())
+    stale, m = stale_groups(batch, step=7, max_off_policy_steps=1)
+    assert stale == {0}  # group 0's oldest token is 2 versions old
+    assert m["off_policy/dropped_frac"] == 0.5 and m["off_policy/dropped_tokens"] == 5
+    assert m["off_policy/token_frac_0"] == pytest.approx(3 / 9) and m[
+        "off_policy/token_frac_over"
+    ] == pytest.approx(2 / 9)
+    assert m["off_policy/token_staleness_max"] == 2
+    assert stale_groups(batch, step=7, max_off_policy_steps=2)[0] == set()
+
+
+def test_top_p_rollouts_stay_on_policy_and_a_learner_ignoring_truncation_shows_the_gap(
+    qwen, model_dirs, tmp_path
+):
+    import dataclasses
+
+    model, tok = qwen
+    cfg = small_config(model_dirs["qwen3"], tmp_path, **{"rollout.top_p": 0.7, "rollout.top_k": 20})
+    batch = RolloutSource(model, tok, cfg).collect(step=0)
+    assert all(s.trace.top_p == 0.7 and s.trace.top_k == 20 for s in batch.samples)
+    metrics = learner_step_then_restore(model, cfg, batch)
+    assert metrics["mismatch/k3_kl"] < 1e-9 and metrics["ratio/first_update_max_abs_dev"] < 1e-4
+    # the same rollouts scored without the truncation (the old learner): the metric exposes the gap
+    untruncated = [
+        dataclasses.replace(
+            s, trace=dataclasses.replace(s.trace, metadata={**s.trace.metadata, "top_p": "1", "top_k": "0"})
+        )
+        for s in batch.samples
+    ]
+    metrics = learner_step_then_restore(model, cfg, dataclasses.replace(batch, samples=untruncated))
+    assert metrics["mismatch/k3_kl"] > 1e-3 and metrics["mismatch/log_ppl_diff"] > 1e-2
 
 
 def test_reprefill_baseline_trains_segments(qwen, model_dirs, tmp_path):
     model, tok = qwen
     cfg = small_config(
-        model_dirs["qwen3"], tmp_path, **{"rollout.mode": '"reprefill"', "loss.correction": '"reprefill"'}
+        model_dirs["qwen3"], tmp_path, **{"rollout.mode": '"reprefill"', "loss.type": '"reprefill"'}
     )
     batch = RolloutSource(model, tok, cfg).collect(step=0)
     assert len(batch.samples) > len(batch.rewards)  # several segments per episode
     metrics = learner_step_then_restore(model, cfg, batch)
     assert metrics["ratio/first_update_max_abs_dev"] < 1e-4
+    assert metrics["mismatch/k3_kl"] < 1e-9
 
 
 @pytest.mark.parametrize(
@@ -209,10 +423,13 @@ def test_reprefill_baseline_trains_segments(qwen, model_dirs, tmp_path):
     [
         (["train.stepz=3"], "train.stepz: Extra inputs"),
         (["train.steps=abc"], "train.steps"),
-        (['loss.correction="reprefill"'], "rollout.mode = 'reprefill'"),
-        (['rollout.mode="reprefill"'], "loss.correction = 'reprefill'"),
+        (['loss.type="reprefill"'], "rollout.mode = 'reprefill'"),
+        (['rollout.mode="reprefill"'], "loss.type = 'reprefill'"),
         (["rollout.group_size=1"], "rollout.group_size"),
-        (['loss.correction="magic"'], "loss.correction"),
+        (['loss.type="magic"'], "loss"),
+        (['loss.correction="naive"'], "correction is now type"),
+        (['loss.type="naive"', "loss.distill_coef=0.1"], "loss.naive.distill_coef"),
+        (['loss.type="tis"', "loss.floor=3"], "floor must not exceed cap"),
         (['rollout.strategy="markovian"', 'rollout.policy="snapkv"'], "cannot be combined"),
     ],
 )
@@ -269,12 +486,12 @@ def test_grpo_updates_favour_rewarded_episodes(qwen, model_dirs, tmp_path):
 
     def sequence_logp() -> list[float]:
         lps = replay_logprobs(model, [s.trace for s in batch.samples])
-        return [float(lp[trained_positions(s)].sum()) for lp, s in zip(lps, batch.samples, strict=True)]
+        return [float(lp[trained_positions(s.trace)].sum()) for lp, s in zip(lps, batch.samples, strict=True)]
 
     state = {k: v.clone() for k, v in model.state_dict().items()}
     try:
         before = sequence_logp()
-        Learner(model, cfg).step(batch)
+        Learner(model, cfg).step(items_of(batch, cfg))
         after = sequence_logp()
     finally:
         model.load_state_dict(state)

@@ -622,7 +622,7 @@ def cmd_train(args) -> int:
     summary = train(cfg, resume=args.resume)
     table = Table(
         title=f"kvstreams train: {cfg.rollout.env}, {cfg.rollout.strategy or cfg.rollout.policy} "
-        f"({cfg.rollout.mode}), correction {cfg.loss.correction}"
+        f"({cfg.rollout.mode}), correction {cfg.loss.type}"
     )
     table.add_column("figure")
     table.add_column("value", justify="right")
@@ -632,10 +632,16 @@ def cmd_train(args) -> int:
             table.add_row(f"{key} before RL", f"{before[key]:.3f}")
         if key in after:
             table.add_row(f"{key} after RL", f"{after[key]:.3f}")
-    if summary.get("mismatch_kl_mean") is not None:
-        table.add_row("mismatch/kl (mean over steps)", f"{summary['mismatch_kl_mean']:.2e}")
+    if summary.get("mismatch_k3_kl_mean") is not None:
+        table.add_row("mismatch/k3_kl (mean over steps)", f"{summary['mismatch_k3_kl_mean']:.2e}")
+        table.add_row(
+            "mismatch/abs_logprob_diff_max (max over steps)",
+            f"{summary['mismatch_abs_logprob_diff_max']:.2e}",
+        )
     table.add_row("tokens forwarded (rollouts)", f"{summary['tokens_forwarded']:,.0f}")
-    table.add_row("re-prefill would have forwarded", f"{summary['tokens_reprefill_equivalent']:,.0f}")
+    table.add_row(
+        "tokens/reprefill_equivalent (steady closed form)", f"{summary['tokens_reprefill_equivalent']:,.0f}"
+    )
     _console().print(table)
     print(f"run directory: {cfg.train.out_dir} (metrics.jsonl, tensorboard/, *.png, checkpoints/)")
     return 0

@@ -194,6 +194,7 @@ def _learner_steps(model, tok, settings: LearnerBenchSettings, step) -> list[dic
     from kvstreams.episodes import EpisodeRunner
     from kvstreams.train.config import Config
     from kvstreams.train.learner import Learner
+    from kvstreams.train.prepare import learner_items
     from kvstreams.train.rollouts import RolloutBatch, Sample
 
     n = settings.step_episodes
@@ -230,15 +231,17 @@ def _learner_steps(model, tok, settings: LearnerBenchSettings, step) -> list[dic
                     "mode": mode,
                     "strategy": "sliding_window",
                 },
-                "loss": {"correction": correction, "distill_coef": distill, "kl_coef": 0.0},
+                "loss": {"type": correction, "kl_coef": 0.0}
+                | ({"distill_coef": distill} if correction == "shadow" else {}),
                 "train": {"steps": 1},
             }
         )
         learner = Learner(copy.deepcopy(model), cfg)
         batch = batches[mode]
+        items, _ = learner_items(batch, 0, n, True, cfg.train.max_off_policy_steps)
         with measure_peak() as peak:
             t0 = time.perf_counter()
-            learner.step(batch)
+            learner.step(items)
             seconds = time.perf_counter() - t0
         rows.append(
             {

@@ -45,6 +45,12 @@ class Environment:
     def step(self, reply: str) -> StepResult:
         raise NotImplementedError
 
+    def held_out(self) -> Environment:
+        """This environment for evaluation. Environments that generate tasks from seeds hold tasks out
+        by seed (training seeds stay below ``train.eval_seed``) and return themselves; datasets with a
+        test split return the environment on that split."""
+        return self
+
     def expert_reply(self) -> str:
         """What an expert would reply now (for demonstrations); environments without one raise."""
         raise NotImplementedError(f"environment {self.name!r} has no expert")

@@ -1,17 +1,20 @@
 """GSM8K: single-turn grade-school math with a long reasoning budget.
 
-Cobbe et al., 2021. Reads a local JSONL file of ``{"question", "answer"}`` records whose answers end
-with ``#### N`` (the official format); nothing is downloaded. The reply is scored by exact numeric
+Cobbe et al., 2021. Reads local JSONL files of ``{"question", "answer"}`` records whose answers end
+with ``#### N`` (the official format; the train and test splits in ``../shared/data/gsm8k/``);
+nothing is downloaded. The reply is scored by exact numeric
 match of its final answer: the number after the last ``####``, else the last number in the reply.
 Used with the compression policies (the Shadow Mask Distillation paper's GSM8K setting).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import ClassVar
 
@@ -34,46 +37,93 @@ def extract_answer(text: str) -> str | None:
     return value
 
 
+@lru_cache(maxsize=8)
+def load_problems(path: str) -> tuple[dict[str, str], ...]:
+    """The ``{question, answer}`` records of a local JSONL file (read once per process)."""
+    file = Path(path)
+    if not file.is_file():
+        raise KVStreamsError(
+            f"gsm8k: data file {path!r} not found (pass path=... / eval_path=... to the environment)"
+        )
+    rows = []
+    for n, line in enumerate(file.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            rows.append({"question": str(row["question"]), "answer": str(row["answer"])})
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise KVStreamsError(f"gsm8k: {path}:{n} is not a {{question, answer}} JSON record") from None
+    if not rows:
+        raise KVStreamsError(f"gsm8k: {path} holds no records")
+    return tuple(rows)
+
+
+def shuffled(n: int, seed: int) -> list[int]:
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    return order
+
+
 @register("gsm8k")
 @dataclass
 class GSM8KEnv(Environment):
+    """Training draws from ``path`` (the train split), evaluation from ``eval_path`` (the test split):
+    :meth:`held_out` is this environment on the test split. Task ``seed`` is the ``seed``-th problem
+    of a fixed shuffle, so consecutive seeds give distinct problems.
+
+    ``shots`` > 0 puts that many solved train problems before the question, in lm-evaluation-harness'
+    gsm8k format ("Question: ...\nAnswer: <solution> #### N", blank line between): SMD evaluates GSM8K
+    8-shot (seed 003, Sec. 4.2, after Brown et al., 2020). Where we differ from the harness: the same
+    exemplars (the first ``shots`` of a fixed shuffle of the train split, left out of the training
+    tasks) for every problem, rather than a fresh draw per problem.
+    """
+
     context_budget: ClassVar[int] = 1024
 
-    path: str = "../shared/data/gsm8k/test.jsonl"
+    path: str = "../shared/data/gsm8k/train.jsonl"
+    eval_path: str = "../shared/data/gsm8k/test.jsonl"
+    shots: int = 0
     max_turns: int = 1
-    _rows: list[dict] = field(default_factory=list, init=False, repr=False)
+    evaluating: bool = False
     _current: dict = field(default_factory=dict, init=False, repr=False)
 
-    def _load(self) -> None:
-        if self._rows:
-            return
-        path = Path(self.path)
-        if not path.is_file():
-            raise KVStreamsError(
-                f"gsm8k: data file {str(path)!r} not found (pass path=... to the environment)"
-            )
-        rows = []
-        for n, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                rows.append({"question": row["question"], "answer": row["answer"]})
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise KVStreamsError(f"gsm8k: {path}:{n} is not a {{question, answer}} JSON record") from None
-        if not rows:
-            raise KVStreamsError(f"gsm8k: {path} holds no records")
-        self._rows = rows
+    def __post_init__(self) -> None:
+        if self.shots < 0:
+            raise KVStreamsError(f"gsm8k: shots must be >= 0, got {self.shots}")
+
+    def held_out(self) -> GSM8KEnv:
+        return dataclasses.replace(self, evaluating=True)
+
+    def _tasks(self) -> tuple[tuple[dict[str, str], ...], list[int]]:
+        if self.evaluating:
+            rows = load_problems(self.eval_path)
+            return rows, shuffled(len(rows), 0)
+        rows = load_problems(self.path)
+        order = shuffled(len(rows), 0)
+        if self.shots >= len(order):
+            raise KVStreamsError(f"gsm8k: {self.shots} shots leave no training problem in {self.path}")
+        return rows, order[self.shots :]  # the exemplars are never training tasks
+
+    def exemplars(self) -> str:
+        """The few-shot block ("" without shots)."""
+        if not self.shots:
+            return ""
+        rows = load_problems(self.path)
+        picked = [rows[i] for i in shuffled(len(rows), 0)[: self.shots]]
+        return "".join(f"Question: {r['question']}\nAnswer: {r['answer']}\n\n" for r in picked)
 
     def reset(self, seed: int) -> list[Message]:
-        self._load()
-        self._current = self._rows[random.Random(seed).randrange(len(self._rows))]
+        rows, order = self._tasks()
+        self._current = rows[order[seed % len(order)]]
+        question = self._current["question"]
+        user = f"{self.exemplars()}Question: {question}\nAnswer:" if self.shots else question
         return [
             {
                 "role": "system",
                 "content": "Solve the problem. Think step by step, then end with #### <number>.",
             },
-            {"role": "user", "content": self._current["question"]},
+            {"role": "user", "content": user},
         ]
 
     def step(self, reply: str) -> StepResult:

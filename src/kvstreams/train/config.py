@@ -8,11 +8,20 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kvstreams.errors import KVStreamsError
+from kvstreams.train.corrections import (
+    BehaviourRatioLoss,
+    NaiveLoss,
+    RePrefillLoss,
+    ShadowLoss,
+    SparseRLLoss,
+    SparseRLReleasedLoss,
+    TISLoss,
+)
 
 
 class _Section(BaseModel):
@@ -44,18 +53,18 @@ class RolloutSection(_Section):
     block_size: int = Field(1, ge=1)
 
 
-class LossSection(_Section):
-    correction: Literal["shadow", "naive", "tis", "sparse_rl", "reprefill"] = "shadow"
-    clip_low: float = Field(0.2, ge=0, lt=1)
-    clip_high: float = Field(0.28, ge=0)
-    aggregation: Literal["token", "sequence"] = "token"
-    normalize_std: bool = True  # False: Dr. GRPO
-    kl_coef: float = Field(0.0, ge=0)
-    entropy_coef: float = Field(0.0, ge=0)
-    distill_coef: float = Field(0.1, ge=0, description="lambda of the SMD dense-to-shadow KL track")
-    tis_low: float = Field(0.8, gt=0)
-    tis_high: float = Field(1.2, gt=0)
-    reject_fraction: float = Field(0.2, ge=0, lt=1)
+LossSection = Annotated[
+    ShadowLoss
+    | NaiveLoss
+    | BehaviourRatioLoss
+    | TISLoss
+    | SparseRLLoss
+    | SparseRLReleasedLoss
+    | RePrefillLoss,
+    Field(discriminator="type"),
+]
+"""``[loss]``: ``type`` picks the rollout correction (``kvstreams.train.corrections``), whose own fields
+follow; the PPO/GRPO fields are shared (``LossBase``)."""
 
 
 class OptimSection(_Section):
@@ -83,7 +92,18 @@ class TrainSection(_Section):
     checkpoint_every: int = Field(1, ge=1, description="1: a crash loses at most the step in flight")
     keep_last: int = Field(2, ge=1)
     asynchronous: bool = False
-    max_off_policy_steps: int = Field(3, ge=1)
+    max_async_level: int = Field(
+        1,
+        ge=0,
+        description="asynchronous mode: the rollouts of step s start only once the weights of step "
+        "s - max_async_level are published (prime-rl's max_async_level; 0 waits for the newest)",
+    )
+    max_off_policy_steps: int = Field(
+        3,
+        ge=0,
+        description="a group whose oldest sampled token came from weights more than this many steps "
+        "older than the step that trains it is dropped, not trained on (prime-rl; KV-streams used 3)",
+    )
     backend: Literal["sdpa", "flex"] = "sdpa"
     tensorboard: bool = True
     plots: bool = True
@@ -102,10 +122,19 @@ class SFTSection(_Section):
 class Config(_Section):
     model: ModelSection = Field(default_factory=ModelSection)
     rollout: RolloutSection = Field(default_factory=RolloutSection)
-    loss: LossSection = Field(default_factory=LossSection)
+    loss: LossSection = Field(default_factory=ShadowLoss)
     optim: OptimSection = Field(default_factory=OptimSection)
     train: TrainSection = Field(default_factory=TrainSection)
     sft: SFTSection = Field(default_factory=SFTSection)
+
+    @field_validator("loss", mode="before")
+    @classmethod
+    def _loss_type(cls, value: Any) -> Any:
+        if isinstance(value, dict) and "type" not in value:
+            if "correction" in value:
+                raise ValueError('correction is now type (e.g. type = "shadow")')
+            value = {**value, "type": "shadow"}
+        return value
 
     @model_validator(mode="after")
     def _combinations(self) -> Config:
@@ -114,16 +143,14 @@ class Config(_Section):
             raise ValueError(
                 "rollout.policy (compression) and rollout.strategy (compaction) cannot be combined yet"
             )
-        if loss.correction == "reprefill" and r.mode != "reprefill":
+        if loss.type == "reprefill" and r.mode != "reprefill":
             raise ValueError(
-                "loss.correction = 'reprefill' trains re-prefill segments: set rollout.mode = 'reprefill'"
+                "loss.type = 'reprefill' trains re-prefill segments: set rollout.mode = 'reprefill'"
             )
-        if r.mode == "reprefill" and loss.correction != "reprefill":
-            raise ValueError("rollout.mode = 'reprefill' gives segments: set loss.correction = 'reprefill'")
+        if r.mode == "reprefill" and loss.type != "reprefill":
+            raise ValueError("rollout.mode = 'reprefill' gives segments: set loss.type = 'reprefill'")
         if r.mode != "full" and r.env != "gsm8k" and not r.strategy:
             raise ValueError(f"rollout.mode = {r.mode!r} needs rollout.strategy")
-        if loss.tis_low > loss.tis_high:
-            raise ValueError("loss.tis_low must not exceed loss.tis_high")
         if self.train.backend == "flex" and self.model.device == "cpu":
             raise ValueError(
                 "train.backend = 'flex' needs a GPU: torch's flex_attention has no backward on CPU "

@@ -1,18 +1,16 @@
-"""The learner: one GRPO step on a rollout batch, replaying each trace's recorded visibility.
+"""The learner: one GRPO step on a batch of traces, replaying what the sampler saw.
 
-Follow one sampled token: its trace is packed into a micro-batch (``collate``), the same HF model
-runs over it with the visibility the sampler had (``replay_logits``, shadow track), the token's
-log-prob enters the PPO-clipped loss against the behaviour policy (the sampler's recorded log-prob),
-and for SMD a dense forward of the same micro-batch (no grad) is the teacher of a KL term. The
-corrections differ only in which visibility the learner uses and how the ratio is weighted:
+Follow one sampled token. Its trace is laid out in a micro-batch (``collate``) and the same HF model
+runs over it with the attention its correction asks for (``replay_logits``: the recorded visibility
+for ``shadow``, dense causal for the baselines, each segment for ``reprefill``). The token's log-prob
+under the distribution it was sampled from (temperature, top-k/top-p: ``policy_logprobs``) enters
+the PPO-clipped loss; the correction (``kvstreams.train.corrections``) has decided, once per step
+and before any update, its pi_old, its weight and whether it is kept. Kept tokens alone count in
+the loss, its normaliser and the KL and entropy terms. For SMD, a dense no-grad forward of the same
+micro-batch, recomputed in every update epoch, is the teacher of a distillation KL.
 
-| correction | learner sees | pi_old | weight |
-|---|---|---|---|
-| shadow | recorded (death) | sampler | 1 (+ SMD distillation) |
-| naive | dense causal | sampler | 1 (off-policy ignored) |
-| tis | dense causal | learner dense at step start | clip(pi_dense / pi_sampler, 0.8, 1.2) |
-| sparse_rl | dense causal | learner dense at step start | as tis, after rejecting the 20% most deviated |
-| reprefill | each segment (no eviction inside) | sampler | 1 |
+``step`` is: before the update (no grad: pi_old, reference) -> correction -> for each update epoch,
+for each micro-batch: forward -> loss -> backward -> optimizer step.
 """
 
 from __future__ import annotations
@@ -23,51 +21,91 @@ from dataclasses import dataclass
 
 import torch
 
+from kvstreams.engine.sampling import policy_logprobs
 from kvstreams.models import model_shape
 from kvstreams.replay import collate, replay_logits
+from kvstreams.trace import Trace
 from kvstreams.train import loss as L
 from kvstreams.train.config import Config
-from kvstreams.train.rollouts import RolloutBatch, Sample
+from kvstreams.train.corrections import Behaviour, Weighting
+from kvstreams.train.mismatch import mismatch_metrics
+
+REPLAY_MODE = {"shadow": "shadow", "dense": "dense", "segments": "shadow"}  # a segment evicts nothing
+
+
+def trained_positions(trace: Trace) -> torch.Tensor:
+    """Positions of the tokens the loss trains on: sampled by the model and in the loss mask."""
+    return (trace.loss_mask & trace.sampled_mask).nonzero().squeeze(-1)
+
+
+@dataclass(frozen=True)
+class TrainItem:
+    """One trace to train on, with its advantage and the positions of its trained tokens (t >= 1)."""
+
+    trace: Trace
+    advantage: float
+    positions: torch.Tensor
 
 
 @dataclass
 class MicroBatch:
-    samples: list[Sample]
-    positions: list[torch.Tensor]  # per sample, trained token positions (t >= 1)
-    n_tokens: int
+    items: list[TrainItem]
+    first_seq: int  # index of items[0] in the whole batch
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(int(i.positions.numel()) for i in self.items)
+
+    def per_token(self, values: Sequence[float]) -> torch.Tensor:
+        """[N] one value per item, repeated over its trained tokens."""
+        return torch.cat(
+            [torch.full((i.positions.numel(),), float(v)) for i, v in zip(self.items, values, strict=True)]
+        )
+
+    def seq(self) -> torch.Tensor:
+        """[N] each trained token's sequence index in the whole batch."""
+        return self.per_token(range(self.first_seq, self.first_seq + len(self.items))).long()
+
+    def sampler_logp(self) -> torch.Tensor:
+        return torch.cat([i.trace.sampler_logprobs[i.positions] for i in self.items])
 
 
-def trained_positions(sample: Sample) -> torch.Tensor:
-    t = sample.trace
-    return (t.loss_mask & t.sampled_mask).nonzero().squeeze(-1)
-
-
-def micro_batches(samples: Sequence[Sample], max_tokens: int) -> list[MicroBatch]:
+def micro_batches(items: Sequence[TrainItem], max_tokens: int) -> list[MicroBatch]:
     """Greedy packing in order: each micro-batch holds up to ``max_tokens`` trace tokens."""
     out: list[MicroBatch] = []
-    current: list[Sample] = []
-    size = 0
-    for s in samples:
-        n = len(s.trace)
+    current: list[TrainItem] = []
+    size, first = 0, 0
+    for item in items:
+        n = len(item.trace)
         if current and size + n > max_tokens:
-            out.append(_mb(current))
+            out.append(MicroBatch(current, first))
+            first += len(current)
             current, size = [], 0
-        current.append(s)
+        current.append(item)
         size += n
     if current:
-        out.append(_mb(current))
+        out.append(MicroBatch(current, first))
     return out
 
 
-def _mb(samples: list[Sample]) -> MicroBatch:
-    positions = [trained_positions(s) for s in samples]
-    return MicroBatch(samples, positions, sum(int(p.numel()) for p in positions))
+@dataclass
+class Normaliser:
+    """What the loss is divided by: the whole batch's kept tokens, or its sequences with a kept token,
+    so that micro-batches add up exactly to the full-batch loss."""
+
+    tokens: int
+    seqs: int
+    mode: str
+
+    def __call__(self, per_token: torch.Tensor, seq: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        return L.aggregate(per_token, seq, keep, self.mode, self.tokens, self.seqs)
 
 
 class Learner:
     def __init__(self, model, cfg: Config, reference=None) -> None:
         self.model = model
         self.cfg = cfg
+        self.loss = cfg.loss
         self.reference = reference
         self.shape = model_shape(model)
         o = cfg.optim
@@ -85,158 +123,149 @@ class Learner:
             return 0.5 * (1.0 + math.cos(progress * math.pi))
         return 1.0
 
-    @property
-    def learner_mode(self) -> str:
-        return "dense" if self.cfg.loss.correction in ("naive", "tis", "sparse_rl") else "shadow"
-
     # --- forwards ------------------------------------------------------------------------------------
-    def _logits(self, model, mb: MicroBatch, mode: str):
+    def _rows(self, model, mb: MicroBatch, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits rows predicting each trained token [N, V], and the tokens [N]."""
         batch = collate(
-            [s.trace for s in mb.samples],
+            [i.trace for i in mb.items],
             self.shape.n_layers,
             self.shape.n_kv_heads,
             mode=mode,
             packed=self.cfg.optim.packed,
         )
-        return replay_logits(model, batch, self.cfg.train.backend), batch
+        logits = replay_logits(model, batch, self.cfg.train.backend)
+        rows, targets = [], []
+        for (row, start, _), item in zip(batch.spans, mb.items, strict=True):
+            rows.append(logits[row, start + item.positions - 1])
+            targets.append(batch.tokens[row, start + item.positions].to(logits.device))
+        return torch.cat(rows), torch.cat(targets)
 
-    def _gather(
-        self, logits: torch.Tensor, batch, mb: MicroBatch
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Rows of ``logits`` predicting each trained token, the tokens, and their sample index."""
-        rows, targets, seq = [], [], []
-        for k, ((row, start, _), pos) in enumerate(zip(batch.spans, mb.positions, strict=True)):
-            rows.append(logits[row, start + pos - 1])
-            targets.append(batch.tokens[row, start + pos].to(logits.device))
-            seq.append(torch.full((pos.numel(),), k, dtype=torch.long, device=logits.device))
-        return torch.cat(rows), torch.cat(targets), torch.cat(seq)
+    def _logp(self, rows: torch.Tensor, targets: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        """log pi(token) [N] under each trace's sampling distribution (temperature, top-k, top-p)."""
+        out, k = [], 0
+        for item in mb.items:
+            n, t = int(item.positions.numel()), item.trace
+            out.append(policy_logprobs(rows[k : k + n], targets[k : k + n], t.temperature, t.top_k, t.top_p))
+            k += n
+        return torch.cat(out)
 
-    def _token_logp(self, rows: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
-        return torch.log_softmax(rows.float() / temperature, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
+    def _temperatures(self, mb: MicroBatch) -> torch.Tensor:
+        return mb.per_token([i.trace.temperature for i in mb.items])
+
+    @torch.no_grad()
+    def _before_update(self, mbs: list[MicroBatch]) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+        """No-grad passes before any update: the learner's log-probs in the correction's view (when the
+        correction needs them as pi_old) and the reference's (for the KL term), per micro-batch."""
+        mode = REPLAY_MODE[self.loss.view]
+        start, ref = [], []
+        for mb in mbs:
+            if self.loss.needs_start_logp:
+                start.append(self._logp(*self._rows(self.model, mb, mode), mb).cpu())
+            if self.loss.kl_coef > 0 and self.reference is not None:
+                ref.append(self._logp(*self._rows(self.reference, mb, mode), mb).cpu())
+            else:
+                ref.append(None)
+        return (torch.cat(start) if start else None), ref
 
     # --- one step ---------------------------------------------------------------------------------
-    def step(self, batch: RolloutBatch) -> dict[str, float]:
-        cfg, lc = self.cfg, self.cfg.loss
-        device = next(self.model.parameters()).device
-        rewards = torch.tensor(batch.rewards)
-        adv = L.group_advantages(rewards, cfg.rollout.group_size, lc.normalize_std)
-        for s in batch.samples:
-            s.advantage = float(adv[s.episode])
-        samples = [s for s in batch.samples if trained_positions(s).numel() > 0]
-        metrics: dict[str, float] = {}
-        temperature = samples[0].trace.temperature if samples else 1.0
-
-        # --- behaviour policy, learner-at-start, reference, teacher (no grad) ---------------------
-        mbs = micro_batches(samples, cfg.optim.micro_batch_tokens)
-        old, ref, teacher = [], [], []
-        first_logp: list[tuple[torch.Tensor, torch.Tensor]] = []  # (learner before updating, sampler)
-        weighted = lc.correction in ("tis", "sparse_rl")
-        with torch.no_grad():
-            for mb in mbs:
-                sampler = torch.cat(
-                    [s.trace.sampler_logprobs[p] for s, p in zip(mb.samples, mb.positions, strict=True)]
-                )
-                if weighted:  # pi_old is the learner itself: one forward before any update
-                    logits, packed = self._logits(self.model, mb, self.learner_mode)
-                    rows, targets, _ = self._gather(logits, packed, mb)
-                    start_logp = self._token_logp(rows, targets, temperature).cpu()
-                    first_logp.append((start_logp, sampler))
-                    weights = L.truncated_importance_weights(start_logp, sampler, lc.tis_low, lc.tis_high)
-                    old.append((start_logp, weights))
-                    del logits
-                else:  # pi_old is the behaviour policy; the first update's forward gives the mismatch
-                    old.append((sampler, torch.ones_like(sampler)))
-                if lc.kl_coef > 0 and self.reference is not None:
-                    rl, rp = self._logits(self.reference, mb, self.learner_mode)
-                    rrows, rtargets, _ = self._gather(rl, rp, mb)
-                    ref.append(self._token_logp(rrows, rtargets, temperature).cpu())
-                if lc.distill_coef > 0 and self.learner_mode == "shadow" and lc.correction == "shadow":
-                    dl, dp = self._logits(self.model, mb, "dense")
-                    drows, _, _ = self._gather(dl, dp, mb)
-                    teacher.append(torch.log_softmax(drows.float() / temperature, dim=-1))
-
-        # --- Sparse-RL: reject the most deviated rollouts -----------------------------------------
-        keep_samples = torch.ones(len(samples), dtype=torch.bool)
-        if lc.correction == "sparse_rl" and samples:
-            deviation = []
-            for (lp, sp), mb in zip(first_logp, mbs, strict=True):
-                k = 0
-                for p in mb.positions:
-                    n = p.numel()
-                    deviation.append(float((lp[k : k + n] - sp[k : k + n]).abs().mean()))
-                    k += n
-            keep_samples = L.reject_most_deviated(torch.tensor(deviation), lc.reject_fraction)
-        metrics["rollout/discarded_frac"] = float(1 - keep_samples.float().mean()) if samples else 0.0
-
-        total_tokens = sum(mb.n_tokens for mb in mbs)
-        n_seqs = len(samples)
-        sums = {"loss/pg": 0.0, "loss/kl": 0.0, "loss/distill": 0.0, "entropy/mean": 0.0, "clip/frac": 0.0}
-        ratio_dev = 0.0
-        ratio_mean = 0.0
+    def step(self, items: Sequence[TrainItem]) -> dict[str, float]:
+        """One GRPO step (``optim.updates_per_batch`` optimizer steps) on ``items``; returns metrics."""
+        items = [i for i in items if i.positions.numel() > 0]
+        if not items:
+            return {"tokens/trained": 0.0, "optim/skipped": 1.0}
+        mbs = micro_batches(items, self.cfg.optim.micro_batch_tokens)
+        start_logp, ref = self._before_update(mbs)
+        sampler_logp = torch.cat([mb.sampler_logp() for mb in mbs])
+        seq = torch.cat([mb.seq() for mb in mbs])
+        weighting = self.loss.weigh(Behaviour(sampler_logp, start_logp, seq, len(items)))
+        norm = Normaliser(
+            tokens=int(weighting.keep.sum()),
+            seqs=int(seq[weighting.keep].unique().numel()),
+            mode=self.loss.aggregation,
+        )
+        parts = _split(weighting, [mb.n_tokens for mb in mbs])
+        sums: dict[str, float] = {}
+        first_logp = []
         self.model.train()
-        for update in range(cfg.optim.updates_per_batch):
-            sample_index = 0
-            for i, mb in enumerate(mbs):
-                keep_tok = torch.cat(
-                    [
-                        torch.full((p.numel(),), bool(keep_samples[sample_index + j]))
-                        for j, p in enumerate(mb.positions)
-                    ]
-                ).to(device)
-                sample_index += len(mb.samples)
-                logits, packed = self._logits(self.model, mb, self.learner_mode)
-                rows, targets, seq = self._gather(logits, packed, mb)
-                logp = self._token_logp(rows, targets, temperature)
-                old_lp, weight = (t.to(device) for t in old[i])
-                if update == 0 and not weighted:
-                    first_logp.append((logp.detach().cpu(), old[i][0]))
-                advantages = torch.cat(
-                    [
-                        torch.full((p.numel(),), s.advantage)
-                        for s, p in zip(mb.samples, mb.positions, strict=True)
-                    ]
-                ).to(device)
-                pg, ratio, clipped = L.ppo_clip_loss(logp, old_lp, advantages, lc.clip_low, lc.clip_high)
-                pg = pg * weight * keep_tok
-                total = L.aggregate(pg, seq, n_seqs, lc.aggregation, total_tokens)
-                sums["loss/pg"] += float(total.detach())
-                ent = L.entropy_from_logits(rows)
-                sums["entropy/mean"] += float(ent.detach().sum()) / max(total_tokens, 1)
-                if lc.entropy_coef > 0:
-                    total = total - lc.entropy_coef * L.aggregate(
-                        ent, seq, n_seqs, lc.aggregation, total_tokens
-                    )
-                if ref:
-                    kl = L.kl_k3(logp, ref[i].to(device))
-                    kl_term = L.aggregate(kl, seq, n_seqs, lc.aggregation, total_tokens)
-                    sums["loss/kl"] += float(kl_term.detach())
-                    total = total + lc.kl_coef * kl_term
-                if teacher:
-                    distill = L.distillation_kl(teacher[i].to(device), rows / temperature)
-                    distill_term = L.aggregate(distill, seq, n_seqs, lc.aggregation, total_tokens)
-                    sums["loss/distill"] += float(distill_term.detach())
-                    total = total + lc.distill_coef * distill_term
-                total.backward()
-                sums["clip/frac"] += float(clipped.float().sum()) / max(total_tokens, 1)
+        for update in range(self.cfg.optim.updates_per_batch):
+            for mb, part, mb_ref in zip(mbs, parts, ref, strict=True):
+                logp = self._accumulate(mb, part, mb_ref, norm, sums, first=update == 0)
                 if update == 0:
-                    ratio_dev = max(ratio_dev, float((ratio - 1).abs().max()) if ratio.numel() else 0.0)
-                    ratio_mean += float(ratio.sum()) / max(total_tokens, 1)
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)
+                    first_logp.append(logp)
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.model.eval()
-        # mismatch between sampler and learner before any update (the shadow track's claim: ~0)
-        learner_lp = torch.cat([a for a, _ in first_logp]) if first_logp else torch.zeros(0)
-        sampler_lp = torch.cat([b for _, b in first_logp]) if first_logp else torch.zeros(0)
-        d = (learner_lp - sampler_lp).double()
-        metrics["mismatch/kl"] = float((d.exp() - 1 - d).mean()) if d.numel() else 0.0
-        metrics["mismatch/abs_logprob_diff_max"] = float(d.abs().max()) if d.numel() else 0.0
-        updates = cfg.optim.updates_per_batch
-        metrics.update({k: v / updates for k, v in sums.items()})
-        metrics["ratio/first_update_max_abs_dev"] = ratio_dev
-        metrics["ratio/first_update_mean"] = ratio_mean
+        # the mismatch the correction faces: sampler vs the learner, in its view, before any update
+        learner_logp = start_logp if start_logp is not None else torch.cat(first_logp)
+        metrics = mismatch_metrics(learner_logp, sampler_logp, seq)
+        metrics.update(weighting.metrics)
+        updates = self.cfg.optim.updates_per_batch
+        metrics.update({k: v / (updates if not k.startswith("ratio/") else 1) for k, v in sums.items()})
+        metrics["correction/kept_token_frac"] = norm.tokens / max(1, seq.numel())
+        metrics["correction/discarded_seq_frac"] = 1 - norm.seqs / len(items)
         metrics["grad/norm"] = float(grad_norm)
         metrics["optim/lr"] = float(self.scheduler.get_last_lr()[0])
-        metrics["tokens/trained"] = float(total_tokens)
+        metrics["tokens/trained"] = float(norm.tokens)
         return metrics
+
+    def _accumulate(
+        self,
+        mb: MicroBatch,
+        w: Weighting,
+        ref: torch.Tensor | None,
+        norm: Normaliser,
+        sums: dict,
+        first: bool,
+    ) -> torch.Tensor:
+        """Forward, loss and backward of one micro-batch; returns its log-probs (detached, CPU)."""
+        device = next(self.model.parameters()).device
+        keep, seq = w.keep.to(device), mb.seq().to(device)
+        teacher = None
+        distill_coef = self.loss.distill_coef_or_zero()
+        if distill_coef > 0:  # SMD track B: the dense teacher with the current weights, no grad
+            with torch.no_grad():
+                rows, _ = self._rows(self.model, mb, "dense")
+                teacher = torch.log_softmax(rows.float() / self._temperatures(mb).to(device)[:, None], dim=-1)
+                del rows
+        rows, targets = self._rows(self.model, mb, REPLAY_MODE[self.loss.view])
+        logp = self._logp(rows, targets, mb)
+        advantages = mb.per_token([i.advantage for i in mb.items]).to(device)
+        pg, ratio, clipped = L.ppo_clip_loss(
+            logp, w.old_logp.to(device), advantages, self.loss.clip_low, self.loss.clip_high
+        )
+        total = norm(pg * w.weight.to(device), seq, keep)
+        _add(sums, "loss/pg", total)
+        entropy = L.entropy_from_logits(rows / self._temperatures(mb).to(device)[:, None])
+        _add(sums, "entropy/mean", norm(entropy, seq, keep))
+        if self.loss.entropy_coef > 0:
+            total = total - self.loss.entropy_coef * norm(entropy, seq, keep)
+        if ref is not None:
+            kl = norm(L.kl_k3(logp, ref.to(device)), seq, keep)
+            _add(sums, "loss/kl", kl)
+            total = total + self.loss.kl_coef * kl
+        if teacher is not None:
+            student = rows / self._temperatures(mb).to(device)[:, None]
+            distill = norm(L.distillation_kl(teacher, student), seq, keep)
+            _add(sums, "loss/distill", distill)
+            total = total + distill_coef * distill
+        total.backward()
+        _add(sums, "clip/frac", norm(clipped.float(), seq, keep))
+        if first:
+            _add(sums, "ratio/first_update_mean", norm(ratio, seq, keep))
+            dev = float((ratio - 1)[keep].abs().max()) if bool(keep.any()) else 0.0
+            sums["ratio/first_update_max_abs_dev"] = max(sums.get("ratio/first_update_max_abs_dev", 0.0), dev)
+        return logp.detach().cpu()
+
+
+def _add(sums: dict[str, float], key: str, value: torch.Tensor) -> None:
+    sums[key] = sums.get(key, 0.0) + float(value.detach())
+
+
+def _split(w: Weighting, sizes: list[int]) -> list[Weighting]:
+    """The whole batch's weighting cut into micro-batches of ``sizes`` tokens."""
+    return [
+        Weighting(o, wt, k)
+        for o, wt, k in zip(w.old_logp.split(sizes), w.weight.split(sizes), w.keep.split(sizes), strict=True)
+    ]

@@ -1,11 +1,15 @@
 """``kvstreams train``: the RL loop (rollouts -> learner -> weights back to the engine).
 
-Synchronous mode collects a batch with the current weights, then trains on it. Asynchronous mode
-collects in a background thread with its own copy of the model, at most ``max_off_policy_steps``
-batches ahead of the learner; new weights reach that copy *between decode steps of running
-episodes* (``StreamSession.update_weights``), without flushing their KV caches, and every token
-records the version that sampled it. Stale tokens are corrected by using the recorded sampler
-log-probs as the behaviour policy in the PPO ratio.
+Versions: the starting weights are version 0 and learner step s publishes version s + 1, so the
+rollouts trained at step s were sampled by version s when nothing runs ahead. Synchronous mode
+collects a batch with the current weights (version s), then trains on it: every token's staleness
+is 0. Asynchronous mode collects in a background thread with its own copy of the model; the
+rollouts of step s start once version s - ``train.max_async_level`` is published, and newer weights
+reach the copy *between decode steps of running episodes* (``update_weights``), without flushing
+their KV caches; every token records the version that sampled it. Before training, groups whose
+oldest token is more than ``train.max_off_policy_steps`` versions old are dropped (prime-rl's
+bound, ``train/prepare.py``); the rest are corrected by the PPO ratio against the recorded sampler
+log-probs (the shadow correction) or the correction's own weights.
 """
 
 from __future__ import annotations
@@ -22,15 +26,18 @@ from typing import Any
 import torch
 
 from kvstreams.atomic import write_json
-from kvstreams.engine.stream import StreamSession
-from kvstreams.episodes import reprefill_closed_form
 from kvstreams.errors import KVStreamsError
 from kvstreams.models import load_model
 from kvstreams.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from kvstreams.train.config import Config
 from kvstreams.train.learner import Learner
 from kvstreams.train.metrics import MetricsLog
-from kvstreams.train.rollouts import RolloutBatch, RolloutSource
+from kvstreams.train.prepare import learner_items
+from kvstreams.train.rollouts import RolloutBatch, RolloutSource, WeightsTarget
+
+REPREFILL_EQUIVALENT = (
+    "N + (N - N0) r / (B - r): N tokens forwarded, N0 before each episode's first compaction"
+)
 
 
 def rollout_metrics(batch: RolloutBatch, seconds: float) -> dict[str, float]:
@@ -49,20 +56,12 @@ def rollout_metrics(batch: RolloutBatch, seconds: float) -> dict[str, float]:
         "rollout/seconds": seconds,
         "tokens/s": s.tokens_forwarded / max(seconds, 1e-9),
     }
-    # what the standard pipeline would have forwarded for the same rollouts: N + N * r / (B - r)
+    # What the standard pipeline would have forwarded for the same rollouts, by the closed form in its
+    # steady-state use (REPREFILL_EQUIVALENT): the first fill from 0 to B re-prefills nothing, and
+    # leaving it out keeps the formula within 8% of counted re-prefills (docs/benchmarks.md).
     if s.compactions and s.retained_mean < s.context_at_compaction_mean:
         new = s.tokens_forwarded - s.tokens_reprefilled
-        m["tokens/reprefill_equivalent"] = new + reprefill_closed_form(
-            new, s.retained_mean, s.context_at_compaction_mean
-        )
-    versions = [x.trace.policy_version for x in batch.samples if x.trace.policy_version is not None]
-    if versions:
-        sampled_versions = torch.cat(
-            [v[x.trace.sampled_mask] for v, x in zip(versions, batch.samples, strict=True)]
-        )
-        if sampled_versions.numel():
-            m["rollout/version_min"] = float(sampled_versions.min())
-            m["rollout/version_max"] = float(sampled_versions.max())
+        m["tokens/reprefill_equivalent"] = new + s.tokens_reprefilled_predicted_steady
     return m
 
 
@@ -87,43 +86,44 @@ class _Weights:
 
 
 class AsyncRollouts:
-    """Collects batches ahead of the learner in a thread, never more than ``max_lag`` steps ahead."""
+    """Collects batches ahead of the learner in a thread: the rollouts of step s start once the weights
+    of version s - ``max_async_level`` are published (the learner has finished that many steps)."""
 
     def __init__(self, model, tokenizer, cfg: Config, start_step: int, weights: _Weights) -> None:
         self.model = copy.deepcopy(model)
-        self.source = RolloutSource(self.model, tokenizer, cfg)
+        self.source = RolloutSource(self.model, tokenizer, cfg, version=start_step)
         self.weights = weights
-        self.max_lag = cfg.train.max_off_policy_steps
+        self.max_async_level = cfg.train.max_async_level
         self.queue: queue.Queue = queue.Queue()
-        self.learner_step = start_step
+        self.learner_step = start_step  # the newest published version
         self.cond = threading.Condition()
         self.stop = False
-        self.version = start_step
         self.thread = threading.Thread(target=self._run, args=(start_step, cfg.train.steps), daemon=True)
         self.thread.start()
 
-    def _refresh(self, _step: int, session: StreamSession | None = None) -> None:
-        newer = self.weights.take_newer(self.version)
+    def _refresh(self, _step: int, target: WeightsTarget | None = None) -> None:
+        newer = self.weights.take_newer(self.source.version)
         if newer is None:
             return
         version, state = newer
-        if session is not None:
-            session.update_weights(state, version)  # mid-episode: the KV cache is kept
+        if target is not None:
+            target.update_weights(state, version)  # mid-rollout: the KV cache is kept
         else:
             self.model.load_state_dict(state)
-        self.version = version
+        self.source.version = version
 
     def _run(self, start: int, steps: int) -> None:
         try:
             for step in range(start, steps):
                 with self.cond:
-                    self.cond.wait_for(lambda s=step: self.stop or s - self.learner_step < self.max_lag)
+                    self.cond.wait_for(
+                        lambda s=step: self.stop or self.learner_step >= s - self.max_async_level
+                    )
                     if self.stop:
                         return
                 self._refresh(step)
                 t0 = time.perf_counter()
                 batch = self.source.collect(step, on_step=self._refresh)
-                batch.version = self.version
                 self.queue.put((batch, time.perf_counter() - t0))
         except BaseException as err:  # surface the failure to the learner
             self.queue.put(err)
@@ -171,7 +171,7 @@ def train(cfg: Config, resume: bool = False, show_progress: bool = True) -> dict
     log = MetricsLog(
         out, tensorboard=cfg.train.tensorboard, keep_until=start if checkpoint is not None else None
     )
-    source = RolloutSource(model, tokenizer, cfg)
+    source = RolloutSource(model, tokenizer, cfg, version=start)
     write_json(out / "config.json", cfg.model_dump())
 
     def evaluate(step: int) -> dict[str, float]:
@@ -196,11 +196,16 @@ def train(cfg: Config, resume: bool = False, show_progress: bool = True) -> dict
                     batch, seconds = producer.get()
                 else:
                     t0 = time.perf_counter()
+                    source.version = step  # the weights the learner has after `step` updates
                     batch = source.collect(step)
                     seconds = time.perf_counter() - t0
                 metrics = rollout_metrics(batch, seconds)
-                metrics.update(learner.step(batch))
-                metrics["rollout/staleness_max"] = float(step - metrics.get("rollout/version_min", step))
+                lc = cfg.loss
+                items, off_policy = learner_items(
+                    batch, step, cfg.rollout.group_size, lc.normalize_std, cfg.train.max_off_policy_steps
+                )
+                metrics.update(off_policy)
+                metrics.update(learner.step(items))
                 if producer is not None:
                     weights.publish(model, step + 1)
                     producer.learner_done(step)
@@ -232,11 +237,16 @@ def train(cfg: Config, resume: bool = False, show_progress: bool = True) -> dict
         "eval_after": evals[-1] if len(evals) > 1 else None,
         "final": last,
         "first_eval": first_eval,
-        "mismatch_kl_mean": _mean(rows, "mismatch/kl"),
+        "mismatch_k3_kl_mean": _mean(rows, "mismatch/k3_kl"),
+        "mismatch_abs_logprob_diff_max": max(
+            (r["mismatch/abs_logprob_diff_max"] for r in rows if "mismatch/abs_logprob_diff_max" in r),
+            default=None,
+        ),
         "tokens_forwarded": sum(r.get("tokens/forwarded", 0) for r in rows),
         "tokens_reprefill_equivalent": sum(
             r.get("tokens/reprefill_equivalent", r.get("tokens/forwarded", 0)) for r in rows
         ),
+        "tokens_reprefill_equivalent_formula": REPREFILL_EQUIVALENT,
     }
     if cfg.train.plots:
         summary["plots"] = [str(p) for p in log.plot()]
@@ -273,7 +283,7 @@ class _progress:
 
         def update(step: int, m: dict[str, float]) -> None:
             info = (
-                f"reward {m.get('reward/mean', 0):.3f}  mismatch KL {m.get('mismatch/kl', 0):.1e}  "
+                f"reward {m.get('reward/mean', 0):.3f}  mismatch k3 {m.get('mismatch/k3_kl', 0):.1e}  "
                 f"{m.get('tokens/s', 0):.0f} tok/s"
             )
             self.bar.update(self.task, completed=step, info=info)

@@ -56,34 +56,21 @@ def distillation_kl(teacher_logp: torch.Tensor, student_logits: torch.Tensor) ->
     return (teacher_logp.exp() * (teacher_logp - student_logp)).sum(dim=-1)
 
 
-def truncated_importance_weights(
-    logp_learner: torch.Tensor, logp_sampler: torch.Tensor, low: float, high: float
-) -> torch.Tensor:
-    """Per-token pi_learner / pi_sampler clipped to [low, high], detached (TIS; Sparse-RL's weights)."""
-    return torch.exp(logp_learner - logp_sampler).clamp(low, high).detach()
-
-
-def reject_most_deviated(deviation: torch.Tensor, fraction: float) -> torch.Tensor:
-    """Keep mask [S] dropping the ``fraction`` of sequences with the largest deviation (Sparse-RL's
-    sparsity-aware rejection sampling)."""
-    n_drop = int(fraction * deviation.numel())
-    keep = torch.ones_like(deviation, dtype=torch.bool)
-    if n_drop:
-        keep[deviation.argsort(descending=True)[:n_drop]] = False
-    return keep
-
-
 def aggregate(
-    per_token: torch.Tensor, seq: torch.Tensor, n_seqs: int, mode: str, total_tokens: int
+    per_token: torch.Tensor, seq: torch.Tensor, keep: torch.Tensor, mode: str, n_tokens: int, n_seqs: int
 ) -> torch.Tensor:
-    """Token level: sum / ``total_tokens`` (the whole batch's, so micro-batches add up exactly).
-    Sequence level: each sequence's mean, summed, / ``n_seqs`` (the whole batch's)."""
+    """Only kept tokens count. Token level: their sum / ``n_tokens`` (the whole batch's kept tokens, so
+    micro-batches add up exactly). Sequence level: each sequence's mean over its kept tokens, summed,
+    / ``n_seqs`` (the whole batch's sequences with a kept token)."""
+    kept = torch.where(keep, per_token, torch.zeros_like(per_token))
     if mode == "token":
-        return per_token.sum() / max(total_tokens, 1)
+        return kept.sum() / max(n_tokens, 1)
     if mode == "sequence":
-        sums = torch.zeros(int(seq.max()) + 1 if seq.numel() else 1, device=per_token.device).index_add(
-            0, seq, per_token
+        _, index = torch.unique(seq, return_inverse=True)
+        n = int(index.max()) + 1 if index.numel() else 0
+        sums = torch.zeros(n, device=per_token.device, dtype=kept.dtype).index_add(0, index, kept)
+        counts = torch.zeros(n, device=per_token.device, dtype=kept.dtype).index_add(
+            0, index, keep.to(kept.dtype)
         )
-        counts = torch.zeros_like(sums).index_add(0, seq, torch.ones_like(per_token))
         return (sums[counts > 0] / counts[counts > 0]).sum() / max(n_seqs, 1)
     raise ValueError(f"unknown aggregation {mode!r}")

@@ -8,7 +8,11 @@ from typing import Any
 
 PLOTS = {
     "reward.png": ("reward", ["reward/mean", "eval/reward_mean", "eval/reward_greedy"]),
-    "mismatch.png": ("sampler vs learner", ["mismatch/kl", "mismatch/abs_logprob_diff_max"]),
+    "mismatch.png": (
+        "sampler vs learner before the update (symlog)",
+        ["mismatch/k3_kl", "mismatch/chi2_token", "mismatch/abs_logprob_diff_max"],
+    ),
+    "off_policy.png": ("token staleness", ["off_policy/token_staleness_mean", "off_policy/dropped_frac"]),
     "kv.png": ("KV cache", ["kv/peak_bytes"]),
     "tokens.png": (
         "tokens",
@@ -73,6 +77,8 @@ class MetricsLog:
                     ax.plot(xs, ys, marker="o", markersize=3, label=key)
                     drawn = True
             if drawn:
+                if "symlog" in title:  # the shadow track's ~1e-13 next to a baseline's ~1
+                    ax.set_yscale("symlog", linthresh=1e-14)
                 ax.set_title(title)
                 ax.set_xlabel("step")
                 ax.grid(alpha=0.3)

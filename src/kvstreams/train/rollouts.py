@@ -10,17 +10,23 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from kvstreams.chat import ChatFormat
 from kvstreams.compaction import make_strategy
 from kvstreams.engine import RolloutEngine, SamplingParams
-from kvstreams.engine.stream import StreamSession
 from kvstreams.envs import make_env
 from kvstreams.episodes import EpisodeRunner, RolloutStats
 from kvstreams.policies import make_policy
 from kvstreams.trace import Trace
 from kvstreams.train.config import Config
+
+
+class WeightsTarget(Protocol):
+    """What holds the sampling weights mid-rollout (a :class:`StreamSession` or a
+    :class:`RolloutEngine`): new weights load between decode steps, the KV cache is kept."""
+
+    def update_weights(self, state_dict: dict, version: int) -> None: ...
 
 
 @dataclass
@@ -31,7 +37,6 @@ class Sample:
     group: int
     episode: int
     reward: float
-    advantage: float = 0.0
 
 
 @dataclass
@@ -39,7 +44,6 @@ class RolloutBatch:
     samples: list[Sample]
     rewards: list[float]  # per episode, groups contiguous
     stats: RolloutStats
-    version: int = 0  # weights version the batch started with
     info: dict[str, Any] = field(default_factory=dict)
 
 
@@ -48,11 +52,16 @@ def single_turn(cfg: Config) -> bool:
 
 
 class RolloutSource:
-    """Makes rollout and evaluation batches with a given model (the learner's, or a rollout copy)."""
+    """Makes rollout and evaluation batches with a given model (the learner's, or a rollout copy).
 
-    def __init__(self, model, tokenizer, cfg: Config) -> None:
+    ``version`` is the weights version the model holds (the learner step whose update produced them);
+    every sampled token records it, or the newer one a mid-episode weight update brings.
+    """
+
+    def __init__(self, model, tokenizer, cfg: Config, version: int = 0) -> None:
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
         self.chat = ChatFormat(tokenizer)
+        self.version = version
 
     def _sampling(self, seed: int, greedy: bool = False) -> SamplingParams:
         r = self.cfg.rollout
@@ -67,9 +76,11 @@ class RolloutSource:
     def collect(
         self,
         step: int,
-        on_step: Callable[[int, StreamSession], None] | None = None,
+        on_step: Callable[[int, WeightsTarget], None] | None = None,
         progress: Callable[[int], None] | None = None,
     ) -> RolloutBatch:
+        """The rollouts of training step ``step``: ``prompts_per_step`` tasks x ``group_size`` episodes.
+        ``on_step(n, target)`` runs after every decode step; it may call ``target.update_weights``."""
         r = self.cfg.rollout
         base = self.cfg.train.seed * 1_000 + step * r.prompts_per_step  # training env seeds stay < eval_seed
         env_seeds = [base + p for p in range(r.prompts_per_step) for _ in range(r.group_size)]
@@ -80,19 +91,22 @@ class RolloutSource:
         )
 
     def evaluate(self, n: int, greedy: bool) -> float:
-        """Mean reward on held-out seeds (never used for training)."""
+        """Mean reward on held-out tasks: seeds from ``train.eval_seed`` on, in the environment's
+        held-out split (GSM8K's test split); never used for training."""
         seeds = [self.cfg.train.eval_seed + i for i in range(n)]
         mode = self.cfg.rollout.mode if self.cfg.rollout.mode != "reprefill" else "stream"
-        batch = self._run(seeds, seeds, list(range(n)), greedy=greedy, mode=mode)
+        batch = self._run(seeds, seeds, list(range(n)), greedy=greedy, mode=mode, held_out=True)
         return sum(batch.rewards) / len(batch.rewards)
 
     def _run(
-        self, env_seeds, sample_seeds, groups, greedy, mode, on_step=None, progress=None
+        self, env_seeds, sample_seeds, groups, greedy, mode, on_step=None, progress=None, held_out=False
     ) -> RolloutBatch:
         r = self.cfg.rollout
         envs = [make_env(r.env, **r.env_args) for _ in env_seeds]
+        if held_out:
+            envs = [env.held_out() for env in envs]
         if single_turn(self.cfg):
-            return self._single_turn(envs, env_seeds, sample_seeds, groups, greedy, progress)
+            return self._single_turn(envs, env_seeds, sample_seeds, groups, greedy, on_step, progress)
         strategy = make_strategy(r.strategy, **r.strategy_args) if r.strategy and mode != "full" else None
         runner = EpisodeRunner(
             self.model,
@@ -102,6 +116,7 @@ class RolloutSource:
             sampling=self._sampling(0, greedy),
             block_size=r.block_size,
             max_reply_tokens=r.max_reply_tokens,
+            policy_version=self.version,
         )
         results, stats = runner.run(
             envs, env_seeds, on_step=on_step, progress=progress, sample_seeds=sample_seeds
@@ -111,15 +126,17 @@ class RolloutSource:
         ]
         return RolloutBatch(samples, [res.reward for res in results], stats)
 
-    def _single_turn(self, envs, env_seeds, sample_seeds, groups, greedy, progress) -> RolloutBatch:
+    def _single_turn(self, envs, env_seeds, sample_seeds, groups, greedy, on_step, progress) -> RolloutBatch:
         r = self.cfg.rollout
         policy = make_policy(r.policy or "full", **r.policy_args)
         prompts = [
             self.chat.head(env.reset(s)) + self.chat.assistant_header()
             for env, s in zip(envs, env_seeds, strict=True)
         ]
-        engine = RolloutEngine(self.model, self.tokenizer, policy)
-        traces = engine.generate(prompts, self._sampling(sample_seeds[0], greedy), progress=progress)
+        engine = RolloutEngine(self.model, self.tokenizer, policy, policy_version=self.version)
+        traces = engine.generate(
+            prompts, self._sampling(sample_seeds[0], greedy), progress=progress, on_step=on_step
+        )
         rewards = []
         for env, trace in zip(envs, traces, strict=True):
             reply = trace.tokens[trace.sampled_mask].tolist()
