@@ -44,3 +44,11 @@ def gsm8k_path() -> str:
     if not GSM8K.is_file():
         pytest.skip(f"GSM8K copy not found at {GSM8K}")
     return str(GSM8K)
+
+
+@pytest.fixture(scope="session")
+def gsm8k_train_path(gsm8k_path) -> str:
+    train = Path(gsm8k_path).with_name("train.jsonl")
+    if not train.is_file():
+        pytest.skip(f"GSM8K train split not found at {train}")
+    return str(train)

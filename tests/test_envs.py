@@ -82,6 +82,35 @@ def test_gsm8k_scores_exact_numbers(gsm8k_path):
         make_env("gsm8k", path="/nonexistent.jsonl").reset(0)
 
 
+def test_gsm8k_trains_on_the_train_split_and_evaluates_on_the_test_split(gsm8k_path, gsm8k_train_path):
+    from kvstreams.envs.gsm8k import load_problems
+
+    env = make_env("gsm8k", path=gsm8k_train_path, eval_path=gsm8k_path)
+    train_questions = {r["question"] for r in load_problems(gsm8k_train_path)}
+    test_questions = {r["question"] for r in load_problems(gsm8k_path)}
+    held_out = env.held_out()
+    for seed in range(1_000_000, 1_000_020):  # the training loop's eval seeds
+        assert held_out.reset(seed)[-1]["content"] in test_questions
+    seen = {env.reset(seed)[-1]["content"] for seed in range(40)}
+    assert seen <= train_questions and len(seen) == 40  # consecutive seeds: distinct problems
+    assert env.reset(7) == make_env("gsm8k", path=gsm8k_train_path).reset(7)  # seeded
+
+
+def test_gsm8k_eight_shot_prompt(gsm8k_path, gsm8k_train_path):
+    env = make_env("gsm8k", path=gsm8k_train_path, eval_path=gsm8k_path, shots=8)
+    question = env.held_out().reset(3)[-1]["content"]
+    assert question.count("Question: ") == 9 and question.count("####") == 8  # 8 solved + the task
+    assert question.endswith("\nAnswer:")
+    exemplars = question.split("\n\n")[:8]
+    # the exemplars come from the train split and are never training tasks themselves
+    train_tasks = {env.reset(seed)[-1]["content"].rsplit("Question: ", 1)[1] for seed in range(200)}
+    assert not any(
+        e.split("\nAnswer:")[0].removeprefix("Question: ") + "\nAnswer:" in train_tasks for e in exemplars
+    )
+    with pytest.raises(KVStreamsError, match="shots"):
+        make_env("gsm8k", shots=-1)
+
+
 @pytest.fixture(scope="module")
 def tw_cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp("textworld"))

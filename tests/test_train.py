@@ -227,6 +227,36 @@ def test_rejected_tokens_leave_the_loss_and_its_normaliser(qwen, model_dirs, tmp
     assert rejected["correction/discarded_seq_frac"] == pytest.approx(1 / len(items))
 
 
+def test_smd_teacher_is_recomputed_in_every_update_epoch(
+    qwen, model_dirs, tmp_path, compacted_batch, monkeypatch
+):
+    """Algorithm 1: the dense teacher comes from the current weights in every optimisation epoch, one
+    micro-batch at a time, right before that micro-batch's shadow forward."""
+    model, _ = qwen
+    cfg = small_config(
+        model_dirs["qwen3"],
+        tmp_path,
+        **{"rollout.group_size": 5, "optim.updates_per_batch": 2, "optim.micro_batch_tokens": 400},
+    )
+    calls: list[tuple[str, int]] = []
+    original = Learner._rows
+
+    def spy(self, m, mb, mode):
+        calls.append((mode, mb.first_seq))
+        return original(self, m, mb, mode)
+
+    monkeypatch.setattr(Learner, "_rows", spy)
+    learner_step_then_restore(model, cfg, compacted_batch)
+    n_mbs = len({first for _, first in calls})
+    assert n_mbs > 1  # several micro-batches
+    assert calls == [
+        (mode, first)
+        for _ in range(2)
+        for first in sorted({f for _, f in calls})
+        for mode in ("dense", "shadow")
+    ]
+
+
 def test_train_end_to_end_and_resume_matches(model_dirs, tmp_path):
     from kvstreams.train.loop import train
 
