@@ -66,6 +66,8 @@ def test_rollout_inspect_verify(model_dirs, tmp_path, capsys):
             "recent",
             "--policy",
             "knorm",
+            "--compression",
+            "30%",
             "--episodes",
             "2",
             "--prompt-len",
@@ -81,6 +83,7 @@ def test_rollout_inspect_verify(model_dirs, tmp_path, capsys):
     assert [r["name"] for r in data["reports"]] == ["recent", "knorm"]
     for r in data["reports"]:
         assert r["passed"] and r["shadow"]["max_abs_diff"] <= 1e-4 < r["dense"]["max_abs_diff"]
+        assert 0.2 < r["kv_saving"] < 0.3  # 30% dropped per sequence, within what one interval lets grow
     assert "recent" in capsys.readouterr().out
 
 
@@ -98,6 +101,8 @@ def bad_model_dir(tmp_path):
         (["rollout", "--policy", "nope"], "unknown policy 'nope'"),
         (["rollout", "--budget", "abc"], "bad budget"),
         (["rollout", "--budget", "1.5"], "fractional budget"),
+        (["rollout", "--budget", "0.5", "--compression", "0.5"], "not both"),
+        (["rollout", "--compression", "120%"], "--compression must be a share"),
         (["rollout", "--episodes", "0"], "must be positive"),
         (["rollout", "--top-p", "2"], "top_p"),
         (["rollout", "--policy", "snapkv", "--budget", "40"], "too small"),

@@ -65,6 +65,57 @@ def test_no_query_sees_more_than_the_budget(qwen, policy_name):
         assert int(evicted.min()) >= prompt_len
 
 
+@pytest.mark.parametrize("policy_name", EVICTING)
+def test_per_sequence_budget_follows_the_sequence_length(qwen, policy_name):
+    """A 50% budget per sequence (the default for fractions, SMD's definition): after the dense
+    prefill, every round keeps ceil(0.5 x tokens so far); in between the cache grows by at most
+    ``interval`` entries. A short reply is compressed at the nominal share, unlike under a budget
+    fixed by the context (prompt + max new tokens)."""
+    model, tok = qwen
+    prompt_len, new_tokens = 48, 160
+    policy = make_policy(policy_name, budget=0.5, interval=8)
+    params = SamplingParams(max_new_tokens=new_tokens, stop_token_ids=())
+    (trace,) = RolloutEngine(model, tok, policy).generate(random_prompts(1, prompt_len), params)
+    counts = trace.visible_counts()  # [L or 1, H or 1, T]
+    n = torch.arange(1, len(trace) + 1)
+    share = torch.ceil(0.5 * n).clamp(min=policy.min_kept())
+    assert int(counts[..., prompt_len - 1].min()) == prompt_len  # the prefill is dense
+    generation = slice(prompt_len, len(trace))
+    assert bool((counts[..., generation] <= share[generation] + 8).all())
+    # the query after a round (decode steps 8, 16, ...: query P - 1 + k evicts) sees exactly the share
+    # of the tokens so far, plus its own new entry
+    after_round = torch.arange(prompt_len + 8, len(trace), 8)
+    assert torch.equal(counts[..., after_round].amin(dim=(0, 1)), share[after_round - 1].long() + 1)
+    assert torch.equal(counts[..., after_round].amax(dim=(0, 1)), share[after_round - 1].long() + 1)
+    assert 0.45 < trace.kv_saving() < 0.5
+    # the same policy with a budget fixed by the context hardly compresses the first 160 tokens of a
+    # sequence allowed 1024: its budget is 0.5 x (48 + 1024) entries
+    fixed = make_policy(policy_name, budget=0.5, interval=8, budget_of="context")
+    (long,) = RolloutEngine(model, tok, fixed).generate(
+        random_prompts(1, prompt_len), SamplingParams(max_new_tokens=1024, stop_token_ids=())
+    )
+    assert len(long) == prompt_len + 1024
+    assert int(long.visible_counts()[..., prompt_len + new_tokens].min()) == prompt_len + new_tokens + 1
+
+
+def test_kv_saving_from_the_death_record(qwen):
+    model, tok = qwen
+    (trace,) = RolloutEngine(model, tok, make_policy("snapkv", budget=0.7, interval=16, window=16)).generate(
+        random_prompts(1, 64), SamplingParams(max_new_tokens=192, stop_token_ids=())
+    )
+    L, H, _ = trace.death.shape
+    queries = trace.sampled_mask.nonzero().squeeze(-1) - 1
+    seen = sum(float(trace.visible(l, h).sum(-1)[queries].sum()) for l in range(L) for h in range(H)) / (
+        L * H
+    )
+    assert trace.kv_saving() == pytest.approx(1 - seen / float((queries + 1).sum()), rel=1e-9)
+    assert 0.25 < trace.kv_saving() < 0.3  # 30% dropped, up to what an interval of 16 lets grow
+    (full,) = RolloutEngine(model, tok, make_policy("full")).generate(
+        random_prompts(1, 64), SamplingParams(max_new_tokens=32, stop_token_ids=())
+    )
+    assert full.kv_saving() == 0.0
+
+
 def test_prefill_longer_than_budget_is_compressed_at_prefill(qwen):
     model, tok = qwen
     prompt_len, budget = 200, 64

@@ -77,6 +77,19 @@ def _add_sampling_args(p: argparse.ArgumentParser, episodes: int, prompt_len: in
         "(0.5 or 50%%) or a count (256); default: the policy's (50%% of the context)",
     )
     p.add_argument(
+        "--compression",
+        default=None,
+        help="share of KV entries dropped, as SMD reports it (20%%, 50%%, 70%%): the same as "
+        "--budget 1-RATIO; not with --budget",
+    )
+    p.add_argument(
+        "--budget-of",
+        choices=["sequence", "context"],
+        default=None,
+        help="a fractional budget is a share of each sequence's tokens so far (sequence, the default: "
+        "SMD's definition) or of prompt + max new tokens (context)",
+    )
+    p.add_argument(
         "--interval",
         type=_positive(int),
         default=None,
@@ -276,8 +289,19 @@ def _policy(name: str, args):
     from kvstreams.policies import make_policy, parse_budget
 
     options = _policy_args(args.policy_arg)
+    if args.budget is not None and args.compression is not None:
+        raise KVStreamsError("give --budget (share kept) or --compression (share dropped), not both")
     if args.budget is not None:
         options["budget"] = parse_budget(args.budget)
+    if args.compression is not None:
+        ratio = parse_budget(args.compression)
+        if not isinstance(ratio, float) or not 0.0 <= ratio < 1.0:
+            raise KVStreamsError(
+                f"--compression must be a share in [0, 1) like 0.2 or 20%, got {args.compression!r}"
+            )
+        options["budget"] = 1.0 - ratio
+    if args.budget_of is not None:
+        options["budget_of"] = args.budget_of
     if args.interval is not None:
         options["interval"] = args.interval
     return make_policy(name, **options)
@@ -403,6 +427,9 @@ def _rollout_policy(args) -> int:
         "tokens_sampled": sum(int(t.sampled_mask.sum()) for t in traces),
         "eviction_events": events,
         "budget_entries": engine.last_stats.budgets,
+        # SMD's "Toks. saving": 1 - KV entries the sampled tokens' queries saw / a full cache's
+        "kv_saving": [round(t.kv_saving(), 4) for t in traces],
+        "kv_saving_mean": sum(t.kv_saving() for t in traces) / len(traces),
         "kv_capacity_entries": engine.last_stats.kv_capacity,
         "rewards": rewards,
         "reward_mean": None if rewards is None else sum(rewards) / len(rewards),
@@ -411,8 +438,8 @@ def _rollout_policy(args) -> int:
     }
     write_json(out / "summary.json", summary)
     print(
-        f"wrote {len(paths)} traces ({summary['tokens_trace']} tokens, {sum(events)} eviction events) to {out} "
-        f"in {seconds:.1f}s"
+        f"wrote {len(paths)} traces ({summary['tokens_trace']} tokens, {sum(events)} eviction events, "
+        f"KV saving {summary['kv_saving_mean']:.1%}) to {out} in {seconds:.1f}s"
     )
     return 0
 
@@ -535,6 +562,7 @@ def cmd_verify(args) -> int:
         "seqs",
         "tokens",
         events,
+        "KV saving",
         "shadow max|Δ|",
         "mean|Δ|",
         "KL k3",
@@ -550,6 +578,7 @@ def cmd_verify(args) -> int:
             str(r.sequences),
             str(r.tokens),
             f"{r.eviction_events} (min {r.min_events_per_sequence})",
+            f"{r.kv_saving:.1%}",
             f"{r.shadow.max_abs_diff:.1e}",
             f"{r.shadow.mean_abs_diff:.1e}",
             f"{r.shadow.kl_k3:.1e}",

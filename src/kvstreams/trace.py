@@ -109,6 +109,25 @@ class Trace:
         j = torch.arange(T)[None, :]
         return (j <= q) & (q < d[None, :].long())
 
+    def visible_counts(self) -> torch.Tensor:
+        """[L or 1, H or 1, T]: how many entries query q sees, per layer and KV head (the KV cache it
+        needed when it was computed). Entry j is visible to q iff j <= q < death[j], so the count is
+        q + 1 minus the entries that died at or before q: O(T) from a histogram of ``death``."""
+        T = len(self)
+        died = torch.zeros(*self.death.shape[:2], T + 1, dtype=torch.long)
+        died.scatter_add_(-1, self.death.long(), torch.ones_like(self.death, dtype=torch.long))
+        return torch.arange(1, T + 1) - died[..., :T].cumsum(-1)
+
+    def kv_saving(self) -> float:
+        """The realised KV saving of the sampled tokens' queries, SMD's "Toks. saving" (Table 6):
+        1 - (entries they saw) / (entries a full cache holds), summed over those queries, averaged
+        over layers and KV heads. 0 without eviction; ~0.5 for a 50% per-sequence budget."""
+        queries = self.sampled_mask.nonzero().squeeze(-1) - 1  # the query that sampled token t is t - 1
+        if queries.numel() == 0:
+            return 0.0
+        seen = self.visible_counts()[..., queries].double().sum(-1)  # [L, H]
+        return float(1 - seen.mean() / (queries + 1).double().sum())
+
     @property
     def n_evicted(self) -> int:
         """Entries evicted before the end of the trace (counted over all layers and heads)."""

@@ -20,6 +20,7 @@ from kvstreams.episodes import EpisodeRunner
 from kvstreams.policies import EvictionPolicy
 from kvstreams.replay import replay_logprobs
 from kvstreams.trace import Trace
+from kvstreams.train.mismatch import mismatch_metrics
 
 # Sampler and learner run the same math in different shapes (one-token decode vs whole-trace forward);
 # in float32 that is rounding noise, in half precision the per-token rounding differs visibly.
@@ -28,25 +29,23 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-1, torch.float16: 2e-2}
 
 @dataclass
 class Agreement:
-    """Sampler vs learner log-probs over all sampled tokens of a set of traces."""
+    """Sampler vs learner log-probs over all sampled tokens of a set of traces (the training loop's
+    ``mismatch/*`` figures, :mod:`kvstreams.train.mismatch`)."""
 
-    max_abs_diff: float
-    mean_abs_diff: float
-    kl_k3: float  # mean of r - 1 - log r with r = pi_learner / pi_sampler (k3 estimator of KL(sampler || learner))
+    max_abs_diff: float  # mismatch/abs_logprob_diff_max
+    mean_abs_diff: float  # mismatch/abs_logprob_diff_mean
+    kl_k3: float  # mismatch/k3_kl: k3 estimator of KL(sampler || learner)
 
     @classmethod
     def measure(cls, traces: Sequence[Trace], learner_logprobs: Sequence[torch.Tensor]) -> Agreement:
-        diffs = []
-        for trace, lp in zip(traces, learner_logprobs, strict=True):
-            m = trace.sampled_mask
-            diffs.append(lp[m].double() - trace.sampler_logprobs[m].double())
-        d = torch.cat(diffs)
-        if d.numel() == 0:
+        learner = torch.cat([lp[t.sampled_mask] for t, lp in zip(traces, learner_logprobs, strict=True)])
+        sampler = torch.cat([t.sampler_logprobs[t.sampled_mask] for t in traces])
+        seq = torch.cat([torch.full((int(t.sampled_mask.sum()),), i) for i, t in enumerate(traces)])
+        m = mismatch_metrics(learner, sampler, seq)
+        if not learner.numel():
             return cls(0.0, 0.0, 0.0)
         return cls(
-            max_abs_diff=float(d.abs().max()),
-            mean_abs_diff=float(d.abs().mean()),
-            kl_k3=float((d.exp() - 1 - d).mean()),
+            m["mismatch/abs_logprob_diff_max"], m["mismatch/abs_logprob_diff_mean"], m["mismatch/k3_kl"]
         )
 
 
@@ -62,6 +61,7 @@ class Report:
     eviction_events: int  # eviction rounds (policies) or compactions (strategies)
     min_events_per_sequence: int
     evicted_entries: int  # summed over layers and KV heads
+    kv_saving: float  # mean over traces of Trace.kv_saving (SMD's "Toks. saving")
     shadow: Agreement
     dense: Agreement
     tolerance: float
@@ -89,6 +89,7 @@ def report_for(
         eviction_events=sum(events),
         min_events_per_sequence=min(events) if events else 0,
         evicted_entries=sum(t.n_evicted for t in traces),
+        kv_saving=sum(t.kv_saving() for t in traces) / max(1, len(traces)),
         shadow=Agreement.measure(traces, shadow),
         dense=Agreement.measure(traces, dense),
         tolerance=TOLERANCE.get(model.dtype, 1e-4),

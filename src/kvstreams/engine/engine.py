@@ -162,12 +162,14 @@ class DecodeStep:
         batch: _Batch,
         evicting: torch.Tensor,
         in_window: torch.Tensor,
+        new_window: torch.Tensor,
         generator: torch.Generator,
     ) -> None:
         self.engine, self.cache, self.batch = engine, cache, batch
         self.evicting = evicting
         self.any_evicting = bool(evicting.any())
         self.in_window = in_window
+        self.new_window = new_window  # rows whose observation window restarts after this step
         self.generator = generator
 
     def attend(
@@ -206,9 +208,71 @@ class DecodeStep:
             )
             keep = choose_kept(policy, view, batch.target, self.evicting)
             cache.evict_slots(layer, live & ~keep, batch.query_index + 1)
-            if cache.window is not None:
-                cache.window[layer].masked_fill_(self.evicting[:, None, None], 0.0)
+        if cache.window is not None:
+            cache.window[layer].masked_fill_(self.new_window[:, None, None], 0.0)
         return out
+
+
+class Schedule:
+    """When eviction rounds fire and how many entries they keep, per sequence.
+
+    - A budget per sequence (a fractional budget, ``budget_of = "sequence"``, the default; SMD's
+      "retaining only 50% of the KV tokens per sequence"): a round after the dense prefill and then
+      every ``interval`` decode steps keeps ceil(share x the sequence's tokens so far) entries (at
+      least what the policy pins), so a reply that stops early is compressed at the nominal share.
+    - A fixed budget (an entry count, or a share of prompt + max new tokens with ``budget_of =
+      "context"``): a round whenever the cache holds ``budget`` entries keeps ``budget - interval``.
+
+    ``batch.budget`` is what policies see as the budget: the entries kept plus ``interval``.
+    """
+
+    def __init__(self, policy: EvictionPolicy, prompt_lens: list[int], contexts: list[int], device) -> None:
+        self.policy, self.device = policy, device
+        self.per_sequence = policy.per_sequence
+        if self.per_sequence:
+            kept = policy.kept_at(torch.tensor(contexts))
+            self.budgets = [int(k) + policy.interval for k in kept]
+        else:
+            self.budgets = [policy.resolve_budget(c) for c in contexts]
+            if policy.evicts():
+                for b in set(self.budgets):
+                    policy.check_budget(b)
+        self.capacity = max(min(b, c) for b, c in zip(self.budgets, contexts, strict=True))
+
+    def start(self, prompt_lens: list[int]) -> tuple[_Batch, torch.Tensor, torch.Tensor]:
+        """The batch state before prefill, which rows the prefill round evicts, and where each row's
+        observation window starts among the prompt's queries."""
+        policy, n_live = self.policy, torch.tensor(prompt_lens, device=self.device)
+        if self.per_sequence:
+            target = policy.kept_at(n_live).to(self.device)
+            budget = target + policy.interval
+            evicting = n_live > target
+            next_round = torch.where(evicting, n_live, n_live + policy.interval)
+        else:
+            budget = torch.tensor([self.budgets[i] for i in range(len(prompt_lens))], device=self.device)
+            target = budget - policy.interval
+            evicting = (n_live >= budget) if policy.evicts() else torch.zeros_like(budget, dtype=torch.bool)
+            next_round = torch.where(evicting, n_live, budget)
+        batch = _Batch(torch.arange(len(prompt_lens), device=self.device), n_live - 1, budget, target, n_live)
+        return batch, evicting, next_round - policy.window_size
+
+    def decode(
+        self, batch: _Batch, decode_no: int, after_write: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For the decode step number ``decode_no`` (1, 2, ...): which rows evict after attending, which
+        rows' query is in the observation window, and which rows start a new window after it."""
+        policy = self.policy
+        if not policy.evicts():
+            none = torch.zeros_like(after_write, dtype=torch.bool)
+            return none, none, none
+        if self.per_sequence:
+            batch.target = policy.kept_at(batch.query_index + 1).to(self.device)
+            batch.budget = batch.target + policy.interval
+            is_round = torch.full_like(after_write, decode_no % policy.interval == 0, dtype=torch.bool)
+            in_window = torch.full_like(is_round, (-decode_no) % policy.interval < policy.window_size)
+            return is_round & (after_write > batch.target), in_window, is_round
+        evicting = after_write >= batch.budget
+        return evicting, (batch.budget - after_write) < policy.window_size, evicting
 
 
 @dataclass
@@ -287,27 +351,16 @@ class RolloutEngine:
         G = params.max_new_tokens
         prompt_lens = [len(p) for p in prompts]
         contexts = [p + G for p in prompt_lens]
-        budgets = [policy.resolve_budget(c) for c in contexts]
-        if policy.evicts():
-            for b in set(budgets):
-                policy.check_budget(b)
-        capacity = max(min(b, c) for b, c in zip(budgets, contexts, strict=True))
-        cache = SlotCache(self.shape, n, capacity, max(contexts), self.model.dtype, device, policy.needs)
+        schedule = Schedule(policy, prompt_lens, contexts, device)
+        cache = SlotCache(
+            self.shape, n, schedule.capacity, max(contexts), self.model.dtype, device, policy.needs
+        )
         kv_bytes_allocated = cache.kv_bytes  # the peak: rows are only ever removed
         generator = torch.Generator(device=device).manual_seed(params.seed)
         stop_ids = self._stop_ids(params)
         T = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
 
-        budget = T(budgets)
-        batch = _Batch(
-            seq=torch.arange(n, device=device),
-            query_index=T(prompt_lens) - 1,
-            budget=budget,
-            target=budget - policy.interval,
-            n_live=T(prompt_lens),
-        )
-        evicting = (batch.n_live >= budget) if policy.evicts() else torch.zeros_like(budget, dtype=torch.bool)
-        window_from = torch.where(evicting, batch.n_live, budget) - policy.window_size
+        batch, evicting, window_from = schedule.start(prompt_lens)
 
         # --- prefill (left-padded) ----------------------------------------------------------------
         P = max(prompt_lens)
@@ -361,13 +414,8 @@ class RolloutEngine:
             # --- decode the token just sampled ----------------------------------------------------
             batch.query_index = batch.query_index + 1
             after_write = batch.n_live + 1
-            evicting = (
-                (after_write >= batch.budget)
-                if policy.evicts()
-                else torch.zeros_like(after_write, dtype=torch.bool)
-            )
-            in_window = (batch.budget - after_write) < policy.window_size
-            step = DecodeStep(self, cache, batch, evicting, in_window, generator)
+            evicting, in_window, new_window = schedule.decode(batch, step_no + 1, after_write)
+            step = DecodeStep(self, cache, batch, evicting, in_window, new_window, generator)
             with attention_context(step):
                 logits = self.model(
                     input_ids=new_tokens[:, None], position_ids=batch.query_index[:, None]
@@ -376,7 +424,9 @@ class RolloutEngine:
             events += evicting.long()
 
         traces = [
-            self._trace(tokens[i], prompt_lens[i], logprobs[i], versions[i], deaths[i], params, budgets[i])
+            self._trace(
+                tokens[i], prompt_lens[i], logprobs[i], versions[i], deaths[i], params, schedule.budgets[i]
+            )
             for i in range(n)
         ]
         self.last_stats = RolloutStats(
@@ -384,8 +434,8 @@ class RolloutEngine:
             tokens_generated=sum(len(t) - p for t, p in zip(tokens, prompt_lens, strict=True)),
             tokens_prefilled=sum(prompt_lens),
             eviction_events=finished_events,
-            budgets=budgets,
-            kv_capacity=capacity,
+            budgets=schedule.budgets,
+            kv_capacity=schedule.capacity,
             kv_bytes_allocated=kv_bytes_allocated,
         )
         return traces

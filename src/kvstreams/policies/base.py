@@ -54,8 +54,16 @@ class EntryView:
 
 @dataclass
 class EvictionPolicy:
-    """Base class. ``budget``: a float in (0, 1] is a fraction of the sequence's full context
-    (prompt + max new tokens); an int is an absolute number of entries per layer and KV head."""
+    """Base class. ``budget``: an int is an absolute number of entries per layer and KV head; a float
+    in (0, 1] is the share of entries kept, read per ``budget_of``:
+
+    - ``"sequence"`` (default; SMD's "retaining only 50% of the KV tokens per sequence"): a round
+      after the dense prefill and then every ``interval`` decode steps keeps ceil(share x the tokens
+      the sequence holds so far), at least what the policy pins (:meth:`min_kept`);
+    - ``"context"``: a fixed budget of share x (prompt + max new tokens) entries.
+
+    SMD's compression ratios (20/50/70%) are shares *dropped*: ratio 20% is ``budget = 0.8``.
+    """
 
     name: ClassVar[str] = "base"
     #: attention statistics the engine must track for this policy: "cumulative" and/or "window"
@@ -65,6 +73,7 @@ class EvictionPolicy:
 
     budget: float | int = 0.5
     interval: int = 1
+    budget_of: str = "sequence"
 
     def __post_init__(self) -> None:
         if isinstance(self.budget, bool) or not isinstance(self.budget, int | float):
@@ -78,6 +87,10 @@ class EvictionPolicy:
             raise KVStreamsError(f"{self.name}: budget must hold at least 2 entries, got {self.budget}")
         if self.interval < 1:
             raise KVStreamsError(f"{self.name}: interval must be >= 1, got {self.interval}")
+        if self.budget_of not in ("sequence", "context"):
+            raise KVStreamsError(
+                f"{self.name}: budget_of must be 'sequence' or 'context', got {self.budget_of!r}"
+            )
 
     # --- what subclasses implement -------------------------------------------------------------
     def score(self, view: EntryView) -> torch.Tensor:
@@ -97,6 +110,22 @@ class EvictionPolicy:
     def window_size(self) -> int:
         """Observation window (queries) for policies that need "window" attention statistics."""
         return 0
+
+    @property
+    def per_sequence(self) -> bool:
+        """True when the budget follows each sequence's length (a fractional budget, ``budget_of =
+        "sequence"``)."""
+        return isinstance(self.budget, float) and self.budget_of == "sequence" and self.evicts()
+
+    def min_kept(self) -> int:
+        """The least a per-sequence round keeps: what the policy pins whatever the budget (SnapKV's
+        window, StreamingLLM's sinks), and never fewer than 2."""
+        return max(2, self.n_protected(0))
+
+    def kept_at(self, n_tokens: torch.Tensor) -> torch.Tensor:
+        """Per-sequence budgets: entries a round keeps for sequences holding ``n_tokens`` [B] tokens."""
+        share = torch.ceil(n_tokens.double() * float(self.budget) - 1e-9).long()
+        return share.clamp(min=self.min_kept())
 
     def resolve_budget(self, context_len: int) -> int:
         """Entries per layer and KV head for a sequence whose full context is ``context_len`` tokens."""
