@@ -105,9 +105,9 @@ def test_kv_saving_from_the_death_record(qwen):
     )
     L, H, _ = trace.death.shape
     queries = trace.sampled_mask.nonzero().squeeze(-1) - 1
-    seen = sum(float(trace.visible(l, h).sum(-1)[queries].sum()) for l in range(L) for h in range(H)) / (
-        L * H
-    )
+    seen = sum(
+        float(trace.visible(layer, h).sum(-1)[queries].sum()) for layer in range(L) for h in range(H)
+    ) / (L * H)
     assert trace.kv_saving() == pytest.approx(1 - seen / float((queries + 1).sum()), rel=1e-9)
     assert 0.25 < trace.kv_saving() < 0.3  # 30% dropped, up to what an interval of 16 lets grow
     (full,) = RolloutEngine(model, tok, make_policy("full")).generate(

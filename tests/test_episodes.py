@@ -65,6 +65,36 @@ def test_stream_mode_replays_exactly_and_never_reprefills(qwen, strategy):
         assert trace.metadata["mode"] == "stream" and trace.metadata["strategy"] == strategy
 
 
+@pytest.mark.parametrize(
+    ("strategy", "first_at", "spans"),
+    [("sliding_window", 10, 2), ("markovian", 10, 10), ("summary", 8, 11)],
+)
+def test_kvstreams_presets_are_turn_triggered(qwen, strategy, first_at, spans):
+    """The KV-streams authors' settings: sliding window keeps at most 10 turns, dropping the oldest
+    (2 units: the reply and its answer); Markovian drops 5 of 10; summary replaces the 5 oldest of 8
+    turns (10 units, plus its instruction) with a bridge. Replay stays exact."""
+    model, tok = qwen
+    options = {"max_bridge_tokens": 12} if strategy == "summary" else {}  # a random model writes to the limit
+    chosen = make_strategy(strategy, preset="kvstreams", **options)
+    assert chosen.budget == 32768 and chosen.max_turns == first_at
+    runner = EpisodeRunner(
+        model, tok, chosen, mode="stream", sampling=SamplingParams(seed=0), max_reply_tokens=8
+    )
+    results, _ = runner.run([make_env("memory", n_turns=15, max_turns=17) for _ in range(2)], [1, 2])
+    for r in results:
+        assert len(r.compactions) >= 2 and all(e["trigger"] == "turns" for e in r.compactions)
+        assert r.compactions[0]["step"] == first_at  # the first fires when the context holds that many turns
+        assert len(r.compactions[0]["deleted"]) == spans
+        if strategy == "sliding_window":
+            assert [e["step"] for e in r.compactions] == list(range(10, 10 + len(r.compactions)))
+        if strategy == "markovian":
+            assert r.compactions[1]["step"] == 15  # 5 turns stayed, 5 more came
+    traces = [t for r in results for t in r.traces]
+    assert Agreement.measure(traces, replay_logprobs(model, traces)).max_abs_diff <= 1e-4
+    with pytest.raises(KVStreamsError, match="no preset"):
+        make_strategy(strategy, preset="nope")
+
+
 @pytest.mark.parametrize("strategy", ["sliding_window", "summary"])
 def test_reprefill_segments_replay_exactly_and_are_counted(qwen, strategy):
     results, stats = run(qwen, strategy, "reprefill")

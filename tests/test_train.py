@@ -460,6 +460,15 @@ def test_reprefill_baseline_trains_segments(qwen, model_dirs, tmp_path):
         (['loss.correction="naive"'], "correction is now type"),
         (['loss.type="naive"', "loss.distill_coef=0.1"], "loss.naive.distill_coef"),
         (['loss.type="tis"', "loss.floor=3"], "floor must not exceed cap"),
+        (
+            ['rollout.strategy_preset="paper"'],
+            "rollout: compaction strategy 'markovian' has no preset 'paper'",
+        ),
+        (["rollout.strategy_args={stride = 2}"], "has no option(s) stride"),
+        (
+            ['rollout.env="gsm8k"', 'rollout.policy="snapkv"', "rollout.policy_args={budget = 3.0}"],
+            "fractional budget",
+        ),
         (['rollout.strategy="markovian"', 'rollout.policy="snapkv"'], "cannot be combined"),
     ],
 )

@@ -143,6 +143,11 @@ def _add_episode_args(p: argparse.ArgumentParser, repeat_strategy: bool = False)
             "--mode", default=None, choices=list(MODES), help="stream (default), reprefill or full"
         )
     g.add_argument(
+        "--preset",
+        default=None,
+        help="named strategy settings: kvstreams = the KV-streams authors' (turn-triggered) configuration",
+    )
+    g.add_argument(
         "--compact-budget", type=_positive(int), default=None, help="token budget B of the strategy"
     )
     g.add_argument("--turn-budget", type=int, default=None, help="also compact every N turns")
@@ -347,7 +352,7 @@ def _strategy(name: str, args):
         options["budget"] = args.compact_budget
     if args.turn_budget is not None:
         options["turn_budget"] = args.turn_budget
-    return make_strategy(name, **options)
+    return make_strategy(name, preset=args.preset, **options)
 
 
 def _envs(args, n: int):

@@ -26,7 +26,7 @@ from typing import Any, Literal
 import torch
 
 from kvstreams.chat import ChatFormat
-from kvstreams.compaction import CompactionStrategy, UnitView
+from kvstreams.compaction import CompactionStrategy, UnitView, live_turns
 from kvstreams.engine.sampling import SamplingParams, sample
 from kvstreams.engine.stream import StreamSession
 from kvstreams.envs.base import Environment
@@ -327,7 +327,8 @@ class EpisodeRunner:
         incoming = self.chat.after_reply(messages)
         if self.mode != "full" and self.strategy is not None:
             need = len(incoming) + len(self.header) + 2 * (self.block_size - 1)
-            trigger = self.strategy.trigger(ep.live_tokens, need, ep.turns_since_compaction)
+            turns = live_turns([UnitView(u.kind, u.length) for u in ep.units if u.live])
+            trigger = self.strategy.trigger(ep.live_tokens, need, ep.turns_since_compaction, turns)
             if trigger is not None:
                 if self.strategy.bridge is not None:
                     ep.phase, ep.pending, ep.trigger = "bridge", incoming, trigger
@@ -343,7 +344,7 @@ class EpisodeRunner:
                 live = [u for u in ep.units if u.live]
                 head = sum(u.length for u in live if u.kind == "head")
                 views = [UnitView(u.kind, u.length) for u in live if u.kind != "head"]
-                n = self.strategy.units_to_delete(head, views, need)
+                n = self.strategy.deletion(head, views, need, trigger)
                 self._compact(ep, n_delete=n, trigger=trigger)
         self._continue(ep, incoming)
 
@@ -379,7 +380,13 @@ class EpisodeRunner:
             bridge = Unit("bridge", bridge_from, last.end)
             last.end = bridge_from
             ep.units.append(bridge)
-            doomed = [u for u in live if u.length > 0]
+            # the instruction and the reply's part before the bridge always go; of the older units, the
+            # strategy decides (all of them, or the oldest turns after a turn trigger)
+            older = [u for u in live if u is not last and u.kind != "instruction"]
+            head = sum(u.length for u in ep.units if u.live and u.kind == "head")
+            n = self.strategy.deletion(head, [UnitView(u.kind, u.length) for u in older], 0, trigger)
+            kept = {id(u) for u in older[n:]}
+            doomed = [u for u in live if u.length > 0 and id(u) not in kept]
         else:
             doomed = live[:n_delete]
         deleted = [[u.start, u.end] for u in doomed]

@@ -26,7 +26,7 @@ MODES = ("stream", "reprefill", "full")
 @dataclass(frozen=True)
 class Point:
     """One compaction setting played by ``episodes`` episodes of ``turns`` turns; ``budget`` None is
-    the environment's default B."""
+    the environment's default B (or the preset's); ``preset`` names the strategy's settings."""
 
     model: str
     env: str
@@ -34,6 +34,11 @@ class Point:
     budget: int | None = None
     episodes: int = 4
     turns: int = 40
+    preset: str | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.strategy} ({self.preset})" if self.preset else self.strategy
 
 
 @dataclass
@@ -60,7 +65,11 @@ class RolloutBenchSettings:
         # bridges make these two slow on a random model (every summary runs to its token limit)
         tiny += [Point("tiny", "memory", s, episodes=2, turns=24) for s in ("summary", "model_triggered")]
         tiny += [Point("tiny", "memory", "sliding_window", 768)]
-        tiny += [Point("tiny", "textworld", s, episodes=2, turns=30) for s in ("sliding_window", "markovian")]
+        # TextWorld with the KV-streams authors' turn-triggered settings (the setting of their 5x figure)
+        tiny += [
+            Point("tiny", "textworld", s, episodes=2, turns=30, preset="kvstreams")
+            for s in ("sliding_window", "markovian")
+        ]
         small = [
             Point("small", "memory", "sliding_window", 768, episodes=4, turns=20),
             Point("small", "memory", "markovian", episodes=4, turns=16),
@@ -85,7 +94,8 @@ def play(
 
     strategy = None
     if mode != "full":
-        strategy = make_strategy(point.strategy, **({"budget": point.budget} if point.budget else {}))
+        options = {"budget": point.budget} if point.budget else {}
+        strategy = make_strategy(point.strategy, preset=point.preset, **options)
     episodes = point.episodes
     envs = [make_env(point.env, **_env_args(point.env, point.turns)) for _ in range(episodes)]
     runner = EpisodeRunner(
@@ -105,7 +115,7 @@ def play(
     return {
         "model": point.model,
         "env": point.env,
-        "strategy": point.strategy if mode != "full" else "-",
+        "strategy": point.label if mode != "full" else "-",
         "B": budget,
         "mode": mode,
         "block": block_size,
@@ -174,7 +184,7 @@ def bench_rollout(settings: RolloutBenchSettings, models_dir: str | Path, out_di
                 models[point.model] = (model, tok)
                 report.settings.setdefault("parameters", {})[point.model] = parameter_count(model)
             model, tok = models[point.model]
-            name = f"{point.model} {point.env} {point.strategy} B={point.budget or 'env'}"
+            name = f"{point.model} {point.env} {point.label} B={point.budget or 'env'}"
             rows = {}
             for mode in ("stream", "reprefill"):
                 step(f"{name} {mode}")
@@ -195,7 +205,7 @@ def bench_rollout(settings: RolloutBenchSettings, models_dir: str | Path, out_di
                 {
                     "model": point.model,
                     "env": point.env,
-                    "strategy": point.strategy,
+                    "strategy": point.label,
                     "B": s["B"],
                     "r/B": rb,
                     "B/(B-r)": 1 / (1 - rb) if rb is not None and rb < 1 else None,

@@ -4,6 +4,13 @@ Ordered by how much context they retain: sliding_window > markovian > summary ~ 
 """
 
 from kvstreams.compaction import markovian, model_triggered, sliding_window, summary  # noqa: F401
-from kvstreams.compaction.base import STRATEGIES, CompactionStrategy, UnitView, make_strategy, register
+from kvstreams.compaction.base import (
+    STRATEGIES,
+    CompactionStrategy,
+    UnitView,
+    live_turns,
+    make_strategy,
+    register,
+)
 
-__all__ = ["STRATEGIES", "CompactionStrategy", "UnitView", "make_strategy", "register"]
+__all__ = ["STRATEGIES", "CompactionStrategy", "UnitView", "live_turns", "make_strategy", "register"]

@@ -6,11 +6,16 @@ in one large stride: everything but the newest ``keep_tokens`` worth of messages
 message is kept).
 
 Defaults: the environment's budget, keep_tokens a third of it.
+
+Preset ``kvstreams`` (``make_strategy(name, preset="kvstreams")``): the KV-streams authors'
+configuration (turn-triggered at 10 turns in the context, the oldest 5 dropped; their released ``configs/textworld/kv_streams_markovian_thinker.toml``), with
+a token budget of 32,768 (their ``seq_len``) so that turns alone decide.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from kvstreams.compaction.base import CompactionStrategy, UnitView, register
 from kvstreams.errors import KVStreamsError
@@ -19,6 +24,10 @@ from kvstreams.errors import KVStreamsError
 @register("markovian")
 @dataclass
 class Markovian(CompactionStrategy):
+    presets: ClassVar[dict[str, dict[str, Any]]] = {
+        "kvstreams": {"max_turns": 10, "drop_turns": 5, "budget": 32768}
+    }
+
     keep_tokens: int | None = None  # None: a third of the budget
 
     def __post_init__(self) -> None:

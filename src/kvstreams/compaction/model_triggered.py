@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvstreams.compaction.base import CompactionStrategy, register
+from kvstreams.compaction.base import CompactionStrategy, UnitView, register
 from kvstreams.errors import KVStreamsError
 
 
@@ -29,6 +29,9 @@ class ModelTriggered(CompactionStrategy):
         super().__post_init__()
         if not self.marker:
             raise KVStreamsError("model_triggered: marker must not be empty")
+
+    def units_to_delete(self, head: int, units: list[UnitView], incoming: int) -> int:
+        return len(units)  # everything before the marker
 
     def min_retained(self, head: int) -> int:
         return head + 1

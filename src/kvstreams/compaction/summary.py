@@ -6,14 +6,18 @@ reply (the bridge: sampled and trained on like any reply) stays, and every messa
 and the bridge, the instruction included, is deleted.
 
 Defaults: the environment's budget, bridges of at most 64 tokens.
+
+Preset ``kvstreams`` (``make_strategy(name, preset="kvstreams")``): the KV-streams authors'
+configuration (when the context holds 8 turns (their `compaction_max_turns`), the 5 oldest turns are replaced by a summary of at most 1,024 tokens, the task instruction (the protected head) kept; their released ``configs/textworld/kv_streams_summary.toml``), with
+a token budget of 32,768 (their ``seq_len``) so that turns alone decide.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
-from kvstreams.compaction.base import CompactionStrategy, register
+from kvstreams.compaction.base import CompactionStrategy, UnitView, register
 from kvstreams.errors import KVStreamsError
 
 
@@ -21,6 +25,9 @@ from kvstreams.errors import KVStreamsError
 @dataclass
 class Summary(CompactionStrategy):
     bridge: ClassVar[str | None] = "instruction"
+    presets: ClassVar[dict[str, dict[str, Any]]] = {
+        "kvstreams": {"max_turns": 8, "drop_turns": 5, "max_bridge_tokens": 1024, "budget": 32768}
+    }
 
     instruction: str = (
         "Context limit reached: the conversation so far will be deleted. Write a short summary of "
@@ -32,6 +39,9 @@ class Summary(CompactionStrategy):
         super().__post_init__()
         if self.max_bridge_tokens < 1:
             raise KVStreamsError(f"summary: max_bridge_tokens must be >= 1, got {self.max_bridge_tokens}")
+
+    def units_to_delete(self, head: int, units: list[UnitView], incoming: int) -> int:
+        return len(units)  # everything before the bridge
 
     def min_retained(self, head: int) -> int:
         return head + 1

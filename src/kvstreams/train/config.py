@@ -39,6 +39,7 @@ class RolloutSection(_Section):
     env: str = "memory"
     env_args: dict[str, Any] = Field(default_factory=dict)
     strategy: str | None = "markovian"  # compaction for multi-turn environments
+    strategy_preset: str | None = None  # e.g. "kvstreams": the KV-streams authors' settings
     strategy_args: dict[str, Any] = Field(default_factory=dict)
     mode: Literal["stream", "reprefill", "full"] = "stream"
     policy: str | None = None  # KV compression while sampling (single-turn environments)
@@ -156,9 +157,25 @@ class Config(_Section):
                 "train.backend = 'flex' needs a GPU: torch's flex_attention has no backward on CPU "
                 "(use 'sdpa' on CPU; `kvstreams verify --backend flex` checks the forward there)"
             )
+        _check_builds(r)
         if self.train.asynchronous and r.mode == "reprefill":
             raise ValueError("asynchronous training is implemented for stream and full modes")
         return self
+
+
+def _check_builds(r: RolloutSection) -> None:
+    """The strategy and policy the rollouts will build, built now: bad names, presets or options are
+    a config error before any model is loaded."""
+    from kvstreams.compaction import make_strategy
+    from kvstreams.policies import make_policy
+
+    try:
+        if r.strategy:
+            make_strategy(r.strategy, preset=r.strategy_preset, **r.strategy_args)
+        if r.policy:
+            make_policy(r.policy, **r.policy_args)
+    except KVStreamsError as err:
+        raise ValueError(f"rollout: {err}") from None
 
 
 def _set(data: dict[str, Any], dotted: str, raw: str) -> None:
@@ -195,10 +212,10 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         return Config.model_validate(data)
     except ValidationError as err:
         first = err.errors()[0]
-        where = ".".join(str(x) for x in first["loc"]) or "config"
+        where = ".".join(str(x) for x in first["loc"])
         message = first["msg"].removeprefix("Value error, ")
         more = f" (and {err.error_count() - 1} more)" if err.error_count() > 1 else ""
-        raise KVStreamsError(f"bad config: {where}: {message}{more}") from None
+        raise KVStreamsError(f"bad config: {where + ': ' if where else ''}{message}{more}") from None
 
 
 def to_toml(config: Config) -> str:

@@ -107,7 +107,11 @@ class RolloutSource:
             envs = [env.held_out() for env in envs]
         if single_turn(self.cfg):
             return self._single_turn(envs, env_seeds, sample_seeds, groups, greedy, on_step, progress)
-        strategy = make_strategy(r.strategy, **r.strategy_args) if r.strategy and mode != "full" else None
+        strategy = (
+            make_strategy(r.strategy, preset=r.strategy_preset, **r.strategy_args)
+            if r.strategy and mode != "full"
+            else None
+        )
         runner = EpisodeRunner(
             self.model,
             self.tokenizer,
