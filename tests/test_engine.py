@@ -254,3 +254,29 @@ def test_policy_version_is_recorded_and_follows_mid_generation_updates(qwen):
         random_prompts(1, 10), SamplingParams(max_new_tokens=5, stop_token_ids=()), on_step=update_after_two
     )
     assert trace.policy_version[trace.sampled_mask].tolist() == [3, 3, 4, 4, 4]
+
+
+def test_prefill_holds_one_layer_of_prompt_kv_at_a_time(tmp_path):
+    """The prompt's full K/V exist only inside the layer computing them: the forward must not build
+    transformers' DynamicCache (every layer's K/V until the forward returns). Measured as the
+    process's peak memory during a 2,048-token prefill with a 64-entry budget: 8 layers need no
+    more than 2 layers plus one layer's prompt K/V (with the cache they needed 6 layers' more)."""
+    from kvstreams.bench.report import measure_peak
+    from kvstreams.models import load_model, make_tiny_model
+
+    prompt = random_prompts(1, 2048)
+    peaks = {}
+    for layers in (2, 8):
+        model, tok = load_model(
+            make_tiny_model(tmp_path / str(layers), arch="llama", layers=layers, hidden=256, heads=8, vocab=512)
+        )
+        engine = RolloutEngine(model, tok, make_policy("recent", budget=64))
+        params = SamplingParams(max_new_tokens=1, stop_token_ids=())
+        engine.generate(prompt, params)  # warm up the allocator
+        with measure_peak() as peak:
+            engine.generate(prompt, params)
+        if peak.kind != "rss":
+            pytest.skip("no resettable peak-memory counter on this platform")
+        peaks[layers] = peak.extra
+    layer_kv = 2 * 2048 * 256 * 4  # K and V of the prompt in one layer, float32
+    assert peaks[8] - peaks[2] < layer_kv

@@ -104,7 +104,7 @@ def _replay(model, trace: Trace, backend: str, backward: bool) -> None:
         ctx = ReplayMask(batch.death, backend, shape.n_heads)  # type: ignore[arg-type]
     model.zero_grad(set_to_none=True)
     with attention_context(ctx), torch.set_grad_enabled(backward):
-        logits = model(input_ids=batch.tokens, position_ids=batch.positions).logits
+        logits = model(input_ids=batch.tokens, position_ids=batch.positions, use_cache=False).logits
         loss = -token_logprobs(logits, batch)[0][1:].sum()
     if backward:
         loss.backward()

@@ -372,9 +372,9 @@ class RolloutEngine:
             col_index[b, P - len(prompt) :] = torch.arange(len(prompt), device=device)
         step = PrefillStep(self, cache, col_index, batch, evicting, window_from, generator)
         with attention_context(step):
-            logits = self.model(input_ids=ids, position_ids=col_index.clamp(min=0), logits_to_keep=1).logits[
-                :, -1
-            ]
+            logits = self.model(
+                input_ids=ids, position_ids=col_index.clamp(min=0), logits_to_keep=1, use_cache=False
+            ).logits[:, -1]
         batch.n_live = torch.where(evicting, batch.target, batch.n_live)
         events = evicting.long().clone()
 
@@ -418,7 +418,7 @@ class RolloutEngine:
             step = DecodeStep(self, cache, batch, evicting, in_window, new_window, generator)
             with attention_context(step):
                 logits = self.model(
-                    input_ids=new_tokens[:, None], position_ids=batch.query_index[:, None]
+                    input_ids=new_tokens[:, None], position_ids=batch.query_index[:, None], use_cache=False
                 ).logits[:, -1]
             batch.n_live = torch.where(evicting, batch.target, after_write)
             events += evicting.long()

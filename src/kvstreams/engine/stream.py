@@ -151,7 +151,9 @@ class StreamSession:
         )
         step = ChunkStep(self.cache, write.to(self.device), query.to(self.device), subset)
         with attention_context(step):
-            logits = self.model(input_ids=ids.to(self.device), position_ids=positions.to(self.device)).logits
+            logits = self.model(
+                input_ids=ids.to(self.device), position_ids=positions.to(self.device), use_cache=False
+            ).logits
         last = torch.tensor([len(c) - 1 for c in chunks], device=self.device)
         out = logits[torch.arange(n, device=self.device), last].float()
         for r, chunk in zip(rows, chunks, strict=True):

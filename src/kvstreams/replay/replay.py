@@ -159,7 +159,7 @@ def replay_logits(model, batch: ReplayBatch, backend: Backend = "sdpa") -> torch
     batch = batch.to(device)
     ctx = ReplayMask(batch.death, backend, model_shape(model).n_heads)
     with attention_context(ctx):
-        return model(input_ids=batch.tokens, position_ids=batch.positions).logits
+        return model(input_ids=batch.tokens, position_ids=batch.positions, use_cache=False).logits
 
 
 def token_logprobs(logits: torch.Tensor, batch: ReplayBatch) -> list[torch.Tensor]:

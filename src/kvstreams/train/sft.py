@@ -74,7 +74,12 @@ def sft(cfg: Config, show_progress: bool = True) -> dict[str, Any]:
             ids[b, : len(tokens)] = torch.tensor(tokens)
             attention[b, : len(tokens)] = 1
             labels[b, : len(tokens)] = torch.where(torch.tensor(mask), torch.tensor(tokens), -100)
-        out = model(input_ids=ids.to(device), attention_mask=attention.to(device), labels=labels.to(device))
+        out = model(
+            input_ids=ids.to(device),
+            attention_mask=attention.to(device),
+            labels=labels.to(device),
+            use_cache=False,
+        )
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()

@@ -61,6 +61,7 @@ class LossBase(BaseModel):
     view: ClassVar[View] = "dense"
     needs_start_logp: ClassVar[bool] = False
 
+    type: str = Field(description="the correction (kvstreams.train.corrections.CORRECTIONS)")
     clip_low: float = Field(0.2, ge=0, lt=1, description="PPO clip: ratio >= 1 - clip_low")
     clip_high: float = Field(0.28, ge=0, description="PPO clip: ratio <= 1 + clip_high (clip-higher, DAPO)")
     aggregation: Literal["token", "sequence"] = Field(
