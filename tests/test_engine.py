@@ -268,7 +268,9 @@ def test_prefill_holds_one_layer_of_prompt_kv_at_a_time(tmp_path):
     peaks = {}
     for layers in (2, 8):
         model, tok = load_model(
-            make_tiny_model(tmp_path / str(layers), arch="llama", layers=layers, hidden=256, heads=8, vocab=512)
+            make_tiny_model(
+                tmp_path / str(layers), arch="llama", layers=layers, hidden=256, heads=8, vocab=512
+            )
         )
         engine = RolloutEngine(model, tok, make_policy("recent", budget=64))
         params = SamplingParams(max_new_tokens=1, stop_token_ids=())

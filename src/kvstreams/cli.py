@@ -254,11 +254,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _console():
-    """A console at least 132 columns wide: tables stay readable when output is piped or captured."""
+def _console(width: int = 132):
+    """A console at least ``width`` columns wide: tables stay readable when piped or captured."""
     from rich.console import Console
 
-    return Console(width=max(Console().width, 132))
+    return Console(width=max(Console().width, width))
 
 
 @contextmanager
@@ -592,7 +592,7 @@ def cmd_verify(args) -> int:
             f"{r.dense.kl_k3:.3f}",
             "[green]yes[/]" if r.passed else "[red]NO[/]",
         )
-    console = _console()
+    console = _console(160)
     console.print(table)
     console.print(
         "shadow = learner replaying the recorded per-layer, per-head visibility; dense = plain causal learner "
