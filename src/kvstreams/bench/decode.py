@@ -108,7 +108,8 @@ def bench_decode(settings: DecodeBenchSettings, models_dir: str | Path, out_dir:
             del hf
             for policy_name in ["full", *settings.policies]:
                 step(f"{name}: kvstreams {policy_name}")
-                options = {} if policy_name == "full" else {"budget": settings.budget}
+                # a budget fixed by the context (prompt + new tokens), as kvpress' presses compress to
+                options = {} if policy_name == "full" else {"budget": settings.budget, "budget_of": "context"}
                 engine = RolloutEngine(model, tok, make_policy(policy_name, **options))
                 best, peak_extra = float("inf"), 0
                 for _ in range(settings.repeats):

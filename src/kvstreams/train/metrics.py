@@ -10,7 +10,7 @@ PLOTS = {
     "reward.png": ("reward", ["reward/mean", "eval/reward_mean", "eval/reward_greedy"]),
     "mismatch.png": (
         "sampler vs learner before the update (symlog)",
-        ["mismatch/k3_kl", "mismatch/chi2_token", "mismatch/abs_logprob_diff_max"],
+        ["mismatch/k3_kl", "mismatch/abs_logprob_diff_max"],
     ),
     "off_policy.png": ("token staleness", ["off_policy/token_staleness_mean", "off_policy/dropped_frac"]),
     "kv.png": ("KV cache", ["kv/peak_bytes"]),
