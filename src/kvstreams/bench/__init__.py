@@ -7,6 +7,7 @@ machine. ``docs/benchmarks.md`` holds the latest figures and how to read them.
 
 from kvstreams.bench.decode import DecodeBenchSettings, bench_decode
 from kvstreams.bench.learner import LearnerBenchSettings, bench_learner
+from kvstreams.bench.premise import PremiseBenchSettings, bench_premise
 from kvstreams.bench.report import BenchReport, print_report
 from kvstreams.bench.rollout import RolloutBenchSettings, bench_rollout
 
@@ -14,16 +15,20 @@ BENCHES = {
     "rollout": (RolloutBenchSettings, bench_rollout),
     "learner": (LearnerBenchSettings, bench_learner),
     "decode": (DecodeBenchSettings, bench_decode),
+    "premise": (PremiseBenchSettings, bench_premise),
 }
+ALL = ("rollout", "learner", "decode")  # `bench all`; premise needs the real model (make bench-real)
 
 __all__ = [
     "BENCHES",
     "BenchReport",
     "DecodeBenchSettings",
     "LearnerBenchSettings",
+    "PremiseBenchSettings",
     "RolloutBenchSettings",
     "bench_decode",
     "bench_learner",
+    "bench_premise",
     "bench_rollout",
     "print_report",
 ]

@@ -18,6 +18,7 @@ CPU (``/proc/self/clear_refs``), allocated memory on CUDA.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +43,8 @@ BACKENDS = ("causal", "sdpa", "flex")
 
 @dataclass
 class LearnerBenchSettings:
+    model: str = "tiny"  # the replay section's model: tiny, small, smollm2 or a directory
+    learner_steps: bool = True  # the GRPO step section (tiny model, memory episodes)
     lengths: list[int] = field(default_factory=lambda: [1024, 4096, 16384])
     backends: list[str] = field(default_factory=lambda: list(BACKENDS))
     step_episodes: int = 4
@@ -55,6 +58,10 @@ class LearnerBenchSettings:
         if quick:
             return cls(lengths=[256], step_episodes=2, step_turns=8, slice_tokens=2048)
         return cls()
+
+    def on_model(self, model: str) -> LearnerBenchSettings:
+        """Replay cost on another model (a real one: T = 512 and 2,048), without the GRPO step section."""
+        return dataclasses.replace(self, model=model, lengths=[512, 2048], learner_steps=False)
 
 
 class CausalAttention:
@@ -122,7 +129,7 @@ def bench_learner(settings: LearnerBenchSettings, models_dir: str | Path, out_di
     started = time.perf_counter()
     report = BenchReport("learner", settings=dict(settings.__dict__))
     replay = report.section(
-        "replay forward + backward at trace length T (tiny model)",
+        f"replay forward + backward at trace length T ({Path(settings.model).name} model)",
         ("T", "backend", "pass", "seconds", "peak MB", "peak / causal", "note"),
         note="causal: plain causal attention, no record (the floor); sdpa: recorded visibility as a dense "
         "T x T mask; flex: the same record as a flex_attention BlockMask (first call compiles, not timed)",
@@ -135,10 +142,10 @@ def bench_learner(settings: LearnerBenchSettings, models_dir: str | Path, out_di
         "evicting half of a KV cache in the learner: physical slicing vs mask (small model's KV shape)",
         ("method", "KV MB before", "peak extra MB", "peak / KV", "resident after MB"),
     )
-    model, tok = load_model(bench_model("tiny", models_dir))
+    model, tok = load_model(bench_model(settings.model, models_dir))
     shape = model_shape(model)
     vocab = model.config.vocab_size
-    n_runs = 2 * len(settings.lengths) * len(settings.backends) + 3 + 2
+    n_runs = 2 * len(settings.lengths) * len(settings.backends) + 3 * settings.learner_steps + 2
     with progress_bar(n_runs) as step:
         warm = synthetic_trace(128, shape.n_layers, shape.n_kv_heads, vocab, settings.seed)
         for backend in ("causal", "sdpa"):  # lazy initialisation stays out of the first measurement
@@ -150,7 +157,8 @@ def bench_learner(settings: LearnerBenchSettings, models_dir: str | Path, out_di
                 for backward in (False, True):
                     step(f"replay T={length} {backend} {'forward+backward' if backward else 'forward'}")
                     replay.rows.append(_replay_row(model, shape, trace, backend, backward, causal_peak))
-        steps.rows += _learner_steps(model, tok, settings, step)
+        if settings.learner_steps:
+            steps.rows += _learner_steps(model, tok, settings, step)
         slicing.rows += _slicing(settings, step)
     _targets(report, replay.rows, slicing.rows)
     report.plots = _plots(replay.rows, Path(out_dir))

@@ -50,6 +50,13 @@ class RolloutBenchSettings:
     kv_episodes: int = 2
     seed: int = 0
 
+    def on_model(self, model: str) -> RolloutBenchSettings:
+        from kvstreams.errors import KVStreamsError
+
+        raise KVStreamsError(
+            "bench rollout plays its own tiny and small models; --model is for decode, learner and premise"
+        )
+
     @classmethod
     def preset(cls, quick: bool) -> RolloutBenchSettings:
         if quick:  # keeps the command working in CI: small, not meaningful

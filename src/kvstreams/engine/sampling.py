@@ -40,6 +40,11 @@ class SamplingParams:
         return self.temperature if self.temperature > 0 else 1.0
 
 
+def at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """Half precision up to float32; float64 (an exact reference run) stays float64."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def truncate(
     scaled: torch.Tensor, top_k: int = 0, top_p: float = 1.0, always: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -70,7 +75,7 @@ def policy_logprobs(
 ) -> torch.Tensor:
     """log pi(target) [...] under the distribution the sampler draws from: logits [..., V] scaled by
     ``temperature``, truncated to top-k / top-p (the target always kept), renormalised."""
-    scaled = truncate(logits.float() / temperature, top_k, top_p, always=targets)
+    scaled = truncate(at_least_float32(logits) / temperature, top_k, top_p, always=targets)
     return torch.log_softmax(scaled, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
 
 
@@ -78,7 +83,7 @@ def sample(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] -> (tokens [B], log-probs [B] of the distribution sampled from)."""
-    logits = logits.float()
+    logits = at_least_float32(logits)
     if params.temperature == 0:
         logp = torch.log_softmax(logits, dim=-1)
         tokens = logits.argmax(dim=-1)

@@ -21,6 +21,7 @@ import torch
 from kvstreams.attention import attention_context
 from kvstreams.engine.cache import SlotCache
 from kvstreams.engine.ops import attend_slots_fused
+from kvstreams.engine.sampling import at_least_float32
 from kvstreams.models import model_shape
 from kvstreams.trace import Trace
 
@@ -155,7 +156,7 @@ class StreamSession:
                 input_ids=ids.to(self.device), position_ids=positions.to(self.device), use_cache=False
             ).logits
         last = torch.tensor([len(c) - 1 for c in chunks], device=self.device)
-        out = logits[torch.arange(n, device=self.device), last].float()
+        out = at_least_float32(logits[torch.arange(n, device=self.device), last])
         for r, chunk in zip(rows, chunks, strict=True):
             self.records[r].fed += len(chunk)
             self.counters.tokens_forwarded += len(chunk)

@@ -36,6 +36,8 @@ class Environment:
     name: ClassVar[str] = "base"
     #: default compaction budget B in tokens, sized to this environment's messages
     context_budget: ClassVar[int] = 512
+    #: one prompt, one reply (sampled by the rollout engine with a KV compression policy, no compaction)
+    single_turn: ClassVar[bool] = False
     #: the most replies an episode may take before it is cut off (reward 0 for what is missing)
     max_turns: int = 32
 
@@ -66,6 +68,12 @@ register = _REGISTRY.register
 
 def make_env(name: str, **kwargs: Any) -> Environment:
     return _REGISTRY.make(name, **kwargs)
+
+
+def is_single_turn(name: str) -> bool:
+    """True for registered single-turn environments (unknown names: False, the registry reports them)."""
+    cls = ENVIRONMENTS.get(name)
+    return bool(cls is not None and cls.single_turn)
 
 
 _ACTION = re.compile(r"<action>(.*?)</action>", re.DOTALL)

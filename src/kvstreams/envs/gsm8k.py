@@ -80,6 +80,7 @@ class GSM8KEnv(Environment):
     """
 
     context_budget: ClassVar[int] = 1024
+    single_turn: ClassVar[bool] = True
 
     path: str = "../shared/data/gsm8k/train.jsonl"
     eval_path: str = "../shared/data/gsm8k/test.jsonl"

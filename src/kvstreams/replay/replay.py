@@ -163,13 +163,13 @@ def replay_logits(model, batch: ReplayBatch, backend: Backend = "sdpa") -> torch
 
 
 def token_logprobs(logits: torch.Tensor, batch: ReplayBatch) -> list[torch.Tensor]:
-    """Per trace, [T] log-prob of each token given what precedes it (NaN at index 0), float32, under
-    the distribution the trace was sampled from (its temperature, top-k and top-p)."""
+    """Per trace, [T] log-prob of each token given what precedes it (NaN at index 0), float32 (float64
+    for a float64 model), under the distribution the trace was sampled from (temperature, top-k/p)."""
     out = []
     for (row, start, n), (temperature, top_k, top_p) in zip(batch.spans, batch.sampling, strict=True):
         targets = batch.tokens[row, start + 1 : start + n].to(logits.device)
         lp = policy_logprobs(logits[row, start : start + n - 1], targets, temperature, top_k, top_p)
-        out.append(torch.cat([torch.full((1,), float("nan"), device=lp.device), lp]))
+        out.append(torch.cat([lp.new_full((1,), float("nan")), lp]))
     return out
 
 
@@ -177,7 +177,8 @@ def token_logprobs(logits: torch.Tensor, batch: ReplayBatch) -> list[torch.Tenso
 def replay_logprobs(
     model, traces: Sequence[Trace], mode: Mode = "shadow", backend: Backend = "sdpa", packed: bool = False
 ) -> list[torch.Tensor]:
-    """Log-probs [T] per trace (CPU, float32, NaN at index 0) as the learner sees them."""
+    """Log-probs [T] per trace (CPU, float32 or float64 as the model, NaN at index 0) as the learner
+    sees them."""
     shape = model_shape(model)
     multiple_of = FLEX_BLOCK_SIZE if backend == "flex" else 1
     batch = collate(

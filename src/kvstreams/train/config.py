@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from kvstreams.envs import is_single_turn
 from kvstreams.errors import KVStreamsError
 from kvstreams.train.corrections import (
     BehaviourRatioLoss,
@@ -140,7 +141,7 @@ class Config(_Section):
     @model_validator(mode="after")
     def _combinations(self) -> Config:
         r, loss = self.rollout, self.loss
-        if r.policy and r.strategy and r.env != "gsm8k":
+        if r.policy and r.strategy and not is_single_turn(r.env):
             raise ValueError(
                 "rollout.policy (compression) and rollout.strategy (compaction) cannot be combined yet"
             )
@@ -150,7 +151,7 @@ class Config(_Section):
             )
         if r.mode == "reprefill" and loss.type != "reprefill":
             raise ValueError("rollout.mode = 'reprefill' gives segments: set loss.type = 'reprefill'")
-        if r.mode != "full" and r.env != "gsm8k" and not r.strategy:
+        if r.mode != "full" and not is_single_turn(r.env) and not r.strategy:
             raise ValueError(f"rollout.mode = {r.mode!r} needs rollout.strategy")
         if self.train.backend == "flex" and self.model.device == "cpu":
             raise ValueError(

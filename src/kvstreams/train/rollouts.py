@@ -15,7 +15,7 @@ from typing import Any, Protocol
 from kvstreams.chat import ChatFormat
 from kvstreams.compaction import make_strategy
 from kvstreams.engine import RolloutEngine, SamplingParams
-from kvstreams.envs import make_env
+from kvstreams.envs import is_single_turn, make_env
 from kvstreams.episodes import EpisodeRunner, RolloutStats
 from kvstreams.policies import make_policy
 from kvstreams.trace import Trace
@@ -48,7 +48,7 @@ class RolloutBatch:
 
 
 def single_turn(cfg: Config) -> bool:
-    return cfg.rollout.env == "gsm8k" or cfg.rollout.policy is not None
+    return is_single_turn(cfg.rollout.env) or cfg.rollout.policy is not None
 
 
 class RolloutSource:

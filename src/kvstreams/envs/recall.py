@@ -1,0 +1,71 @@
+"""Recall: a fact stated early, a question at the end (single turn).
+
+The smallest task on which KV compression removes information the policy needs: the prompt states a
+four-digit code, then ``n_filler`` sentences of unrelated text, then asks for the code. A pretrained
+instruct model answers it at full KV (SmolLM2-135M-Instruct: ``docs/real-model.md``); a policy that
+keeps only recent entries loses it; one that keeps what the question attends to
+(SnapKV's observation window) can keep it. It is the needle-in-a-haystack probe of the
+KV-compression literature (Li et al., 2024, SnapKV, Sec. 4) cut down to a CPU-sized prompt, and the
+shape of the SMD paper's premise: compression drops context, the dense learner then scores replies
+under context the sampler never had.
+
+Reward 1 when the reply's first four-digit number is the code. Defaults: 16 filler sentences
+(prompts of about 200 tokens with SmolLM2's chat template).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from kvstreams.envs.base import Environment, Message, StepResult, register
+from kvstreams.errors import KVStreamsError
+
+FILLER = (
+    "The weather in the valley was mild that spring.",
+    "Farmers brought their goods to the market every Tuesday.",
+    "A small river ran past the old mill.",
+    "The library opened at nine in the morning.",
+    "Children played near the fountain in the square.",
+    "The baker sold bread, rolls and cakes.",
+    "A train left the station twice a day.",
+    "The museum displayed paintings from many centuries.",
+    "Tourists often visited the castle on the hill.",
+    "The town council met on the first Monday of each month.",
+)
+_CODE = re.compile(r"\d{4}")
+
+
+@register("recall")
+@dataclass
+class RecallEnv(Environment):
+    context_budget: ClassVar[int] = 512
+    single_turn: ClassVar[bool] = True
+
+    n_filler: int = 16
+    max_turns: int = 1
+    _code: int = field(default=0, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.n_filler < 0:
+            raise KVStreamsError(f"recall: n_filler must be >= 0, got {self.n_filler}")
+
+    def reset(self, seed: int) -> list[Message]:
+        rng = random.Random(seed)
+        self._code = rng.randrange(1000, 10000)
+        filler = " ".join(rng.choice(FILLER) for _ in range(self.n_filler))
+        text = (
+            f"Remember this: the secret code is {self._code}. {filler} "
+            "What is the secret code? Answer with the number only."
+        )
+        return [{"role": "user", "content": text}]
+
+    def step(self, reply: str) -> StepResult:
+        found = _CODE.search(reply)
+        got = int(found.group()) if found else None
+        return StepResult([], float(got == self._code), True, {"expected": self._code, "got": got})
+
+    def expert_reply(self) -> str:
+        return f"The secret code is {self._code}."
