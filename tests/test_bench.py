@@ -114,6 +114,39 @@ def test_bench_decode_cli_writes_json(tmp_path, bench_models, capsys):
     assert "vs HF generate" in capsys.readouterr().out
 
 
+def test_bench_on_a_given_model_decodes_at_three_batch_sizes_and_premise_runs(tmp_path, bench_models, capsys):
+    tiny = bench_models / "tiny"
+    assert (
+        main(
+            [
+                "bench",
+                "decode",
+                "--model",
+                str(tiny),
+                "--out",
+                str(tmp_path),
+                "--json",
+                str(tmp_path / "d.json"),
+            ]
+        )
+        == 0
+    )
+    rows = json.loads((tmp_path / "d.json").read_text())["sections"][0]["rows"]
+    assert sorted({r["batch"] for r in rows}) == [1, 8, 32]
+    assert {r["model"] for r in rows} == {"tiny"}
+    assert main(["bench", "premise", "--quick", "--out", str(tmp_path), "--models", str(bench_models)]) == 0
+    premise = json.loads((tmp_path / "premise-quick.json").read_text())
+    rows = premise["sections"][0]["rows"]
+    assert [r["policy"] for r in rows] == ["full", "snapkv", "recent"]
+    assert (
+        all(r["shadow max|Δ|"] <= 1e-4 for r in rows)
+        and rows[0]["dense KL k3"] < 1e-9 < rows[1]["dense KL k3"]
+    )
+    assert 0.4 < rows[1]["KV saving"] < 0.55  # 50% of each sequence dropped
+    assert main(["bench", "rollout", "--model", str(tiny), "--out", str(tmp_path)]) == 2
+    assert "--model is for decode, learner and premise" in capsys.readouterr().err
+
+
 def test_flex_training_on_cpu_is_refused_up_front():
     with pytest.raises(ValueError, match="no backward on CPU"):
         Config.model_validate({"train": {"backend": "flex"}, "model": {"device": "cpu"}})
