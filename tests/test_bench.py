@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from kvstreams.bench.learner import LearnerBenchSettings, _slicing, synthetic_trace
+from kvstreams.bench.learner import LearnerBenchSettings, _slicing, bench_learner, synthetic_trace
 from kvstreams.bench.report import measure_peak, peak_memory_supported
 from kvstreams.bench.rollout import Point, RolloutBenchSettings, bench_rollout
 from kvstreams.cli import main
@@ -150,3 +151,19 @@ def test_bench_on_a_given_model_decodes_at_three_batch_sizes_and_premise_runs(tm
 def test_flex_training_on_cpu_is_refused_up_front():
     with pytest.raises(ValueError, match="no backward on CPU"):
         Config.model_validate({"train": {"backend": "flex"}, "model": {"device": "cpu"}})
+
+
+def test_bench_learner_on_a_given_model_reports_replay_and_no_empty_step_section(tmp_path, bench_models):
+    settings = LearnerBenchSettings.preset(quick=True).on_model(str(bench_models / "tiny"))
+    settings = dataclasses.replace(settings, lengths=[128], backends=["causal", "sdpa"], slice_tokens=512)
+    report = bench_learner(settings, bench_models, tmp_path).as_dict()
+    titles = [s["title"] for s in report["sections"]]
+    assert not any("GRPO learner step" in t for t in titles)  # the step section runs the tiny model only
+    replay = report["sections"][0]["rows"]
+    assert [(r["backend"], r["pass"]) for r in replay] == [
+        ("causal", "forward"),
+        ("causal", "forward+backward"),
+        ("sdpa", "forward"),
+        ("sdpa", "forward+backward"),
+    ]
+    assert all(r["seconds"] > 0 for r in replay)

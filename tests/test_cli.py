@@ -293,3 +293,15 @@ def test_bad_episode_values(model_dirs, tmp_path, capsys, argv, message):
     err = capsys.readouterr().err.strip()
     assert rc == 2 and message in err and len(err.splitlines()) == 1 and "Traceback" not in err
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_verify_floor_names_the_precision_it_measured(model_dirs, tmp_path, capsys):
+    """The rounding columns say which precision they are: bfloat16 runs are not labelled fp32."""
+    argv = ["verify", "--model", model_dirs["qwen3"], "--policy", "snapkv", "--floor", "--episodes", "1"]
+    argv += ["--prompt-len", "32", "--max-new-tokens", "16", "--dtype", "bfloat16"]
+    run([*argv, "--json", str(tmp_path / "v.json")])
+    out = capsys.readouterr().out
+    assert "learner bf16" in out and "fp32" not in out.split("floor:")[0]
+    report = json.loads((tmp_path / "v.json").read_text())
+    assert report["dtype"] == "bfloat16" and report["floor"] is not None
+    assert report["reports"][0]["exact_gap"] < 1e-5  # float64 re-run: the record itself is exact

@@ -653,7 +653,8 @@ def _print_verify(args, reports, floor, check_strategies: bool) -> None:
     events = "compactions" if check_strategies else "evictions"
     columns = ["name", "seqs", "tokens", events, "KV saving", "shadow max|Δ|", "mean|Δ|", "KL k3"]
     columns += ["dense max|Δ|", "mean|Δ|", "KL k3"]
-    columns += ["learner fp32", "sampler fp32", "/ floor", "fp64 gap"] if floor else []
+    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(args.dtype, args.dtype)
+    columns += [f"learner {short}", f"sampler {short}", "/ floor", "fp64 gap"] if floor else []
     for col in [*columns, "ok"]:
         table.add_column(col, justify="left" if col == "name" else "right", no_wrap=True)
     for r in reports:
@@ -691,8 +692,8 @@ def _print_verify(args, reports, floor, check_strategies: bool) -> None:
         console.print(
             f"floor: nothing evicted, sampler vs learner max|Δ| {floor.full.max_abs_diff:.1e} (mean "
             f"{floor.full.mean_abs_diff:.1e}); HF's own forward vs kvstreams' replay max|Δ| "
-            f"{floor.hf_vs_replay:.1e}. learner / sampler fp32: their distance to the same replay in "
-            "float64; / floor: shadow max|Δ| over the larger of the kernel floor and the learner's fp32 "
+            f"{floor.hf_vs_replay:.1e}. learner / sampler {short}: their distance to the same replay in "
+            f"float64; / floor: shadow max|Δ| over the larger of the kernel floor and the learner's {short} "
             "rounding; fp64 gap: sampler and learner both in float64 (exact but for the float32 record)."
         )
 

@@ -134,10 +134,12 @@ def bench_learner(settings: LearnerBenchSettings, models_dir: str | Path, out_di
         note="causal: plain causal attention, no record (the floor); sdpa: recorded visibility as a dense "
         "T x T mask; flex: the same record as a flex_attention BlockMask (first call compiles, not timed)",
     )
-    steps = report.section(
-        "one GRPO learner step on the same episodes (tiny model, memory, sliding_window)",
-        ("what", "traces", "tokens processed", "seconds", "peak MB"),
-    )
+    steps = None
+    if settings.learner_steps:  # off with --model: the step section always runs the tiny model
+        steps = report.section(
+            "one GRPO learner step on the same episodes (tiny model, memory, sliding_window)",
+            ("what", "traces", "tokens processed", "seconds", "peak MB"),
+        )
     slicing = report.section(
         "evicting half of a KV cache in the learner: physical slicing vs mask (small model's KV shape)",
         ("method", "KV MB before", "peak extra MB", "peak / KV", "resident after MB"),
@@ -157,7 +159,7 @@ def bench_learner(settings: LearnerBenchSettings, models_dir: str | Path, out_di
                 for backward in (False, True):
                     step(f"replay T={length} {backend} {'forward+backward' if backward else 'forward'}")
                     replay.rows.append(_replay_row(model, shape, trace, backend, backward, causal_peak))
-        if settings.learner_steps:
+        if steps is not None:
             steps.rows += _learner_steps(model, tok, settings, step)
         slicing.rows += _slicing(settings, step)
     _targets(report, replay.rows, slicing.rows)
