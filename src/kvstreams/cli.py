@@ -226,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_sampling_args(p, episodes=3, prompt_len=64, new_tokens=448)
     _add_episode_args(p, repeat_strategy=True)
-    p.add_argument("--backend", default="sdpa", choices=["sdpa", "flex"])
+    p.add_argument("--backend", default="sdpa", choices=["sdpa", "flex", "blocksparse"])
     p.add_argument(
         "--floor",
         action="store_true",

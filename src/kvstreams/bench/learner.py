@@ -38,7 +38,7 @@ from kvstreams.bench.report import (
 )
 from kvstreams.trace import Trace
 
-BACKENDS = ("causal", "sdpa", "flex")
+BACKENDS = ("causal", "sdpa", "flex", "blocksparse")
 
 
 @dataclass

@@ -7,7 +7,9 @@ positions); every attention layer masks with that layer's ``death`` record, per 
 - ``dense``: ordinary causal attention over the whole trace, ignoring the record (the naive learner).
 
 Backends: ``sdpa`` (a dense boolean mask, the reference) and ``flex`` (flex_attention with a
-BlockMask built from ``death``; compiled, memory linear in T apart from the (T/128)^2 block table).
+BlockMask built from ``death``; compiled, memory linear in T apart from the (T/128)^2 block table;
+no backward on CPU) and ``blocksparse`` (``blocksparse.py``: only the visible key blocks, with a
+recomputing backward in plain torch; memory linear in T on CPU too).
 Traces can be batched padded (one per row) or packed (concatenated in one row): since a never-evicted
 entry dies at the end of its own trace, packing needs nothing beyond offsetting ``death``.
 """
@@ -25,13 +27,14 @@ from kvstreams.attention import attention_context
 from kvstreams.engine.sampling import policy_logprobs
 from kvstreams.errors import KVStreamsError
 from kvstreams.models import model_shape
+from kvstreams.replay.blocksparse import block_sparse_attention
 from kvstreams.replay.masks import block_mask_from_death, dense_visibility
 from kvstreams.trace import Trace
 
 Mode = Literal["shadow", "dense"]
-Backend = Literal["sdpa", "flex"]
+Backend = Literal["sdpa", "flex", "blocksparse"]
 MODES = ("shadow", "dense")
-BACKENDS = ("sdpa", "flex")
+BACKENDS = ("sdpa", "flex", "blocksparse")
 
 
 @dataclass
@@ -123,6 +126,8 @@ class ReplayMask:
 
     def mask_for(self, layer: int):
         key = layer if self.death.shape[1] > 1 else 0
+        if self.backend == "blocksparse":  # the kernel reads the record itself
+            return self.death[:, key]
         if key not in self._masks:
             death = self.death[:, key]  # [B, H', T]
             if self.backend == "sdpa":
@@ -148,6 +153,8 @@ class ReplayMask:
             out = F.scaled_dot_product_attention(
                 query, key, value, attn_mask=mask, scale=scale, enable_gqa=gqa
             )
+        elif self.backend == "blocksparse":
+            out = block_sparse_attention(query, key, value, mask, scale)
         else:
             out = _flex_attention()(query, key, value, block_mask=mask, scale=scale, enable_gqa=gqa)
         return out.transpose(1, 2)

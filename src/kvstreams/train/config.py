@@ -106,7 +106,12 @@ class TrainSection(_Section):
         description="a group whose oldest sampled token came from weights more than this many steps "
         "older than the step that trains it is dropped, not trained on (prime-rl; KV-streams used 3)",
     )
-    backend: Literal["sdpa", "flex"] = "sdpa"
+    backend: Literal["sdpa", "flex", "blocksparse"] = Field(
+        "sdpa",
+        description="the learner's masked attention: sdpa (dense T x T mask, the reference), flex "
+        "(flex_attention BlockMask; GPU only for training) or blocksparse (visible key blocks only, "
+        "recomputing backward; memory linear in T on CPU too)",
+    )
     tensorboard: bool = True
     plots: bool = True
 
@@ -156,7 +161,7 @@ class Config(_Section):
         if self.train.backend == "flex" and self.model.device == "cpu":
             raise ValueError(
                 "train.backend = 'flex' needs a GPU: torch's flex_attention has no backward on CPU "
-                "(use 'sdpa' on CPU; `kvstreams verify --backend flex` checks the forward there)"
+                "(use 'sdpa' or 'blocksparse' on CPU; `kvstreams verify --backend flex` checks the forward there)"
             )
         _check_builds(r)
         if self.train.asynchronous and r.mode == "reprefill":
