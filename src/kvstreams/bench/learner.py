@@ -3,7 +3,8 @@
 Four measurements:
 
 1. replay at trace length T (forward + backward of the trace's log-likelihood, tiny model) with the
-   recorded visibility as a flex BlockMask, as a dense SDPA mask, and with plain causal attention
+   recorded visibility as a flex BlockMask, as a dense SDPA mask, through the block-sparse kernel,
+   and with plain causal attention
    (the cost floor: no record at all). The record is synthetic but shaped like a real one: every
    layer and KV head keeps 4 sink entries and its own recent window of 1/8 to 1/4 of T.
 2. one GRPO learner step on stream traces vs on the same episodes' re-prefill segments;
@@ -132,7 +133,8 @@ def bench_learner(settings: LearnerBenchSettings, models_dir: str | Path, out_di
         f"replay forward + backward at trace length T ({Path(settings.model).name} model)",
         ("T", "backend", "pass", "seconds", "peak MB", "peak / causal", "note"),
         note="causal: plain causal attention, no record (the floor); sdpa: recorded visibility as a dense "
-        "T x T mask; flex: the same record as a flex_attention BlockMask (first call compiles, not timed)",
+        "T x T mask; flex: the same record as a flex_attention BlockMask (first call compiles, not timed); "
+        "blocksparse: kvstreams' block-sparse kernel (visible key blocks only, recomputing backward)",
     )
     steps = None
     if settings.learner_steps:  # off with --model: the step section always runs the tiny model

@@ -6,7 +6,7 @@ positions); every attention layer masks with that layer's ``death`` record, per 
 - ``shadow``: the recorded visibility (log-probs equal the sampler's up to float error);
 - ``dense``: ordinary causal attention over the whole trace, ignoring the record (the naive learner).
 
-Backends: ``sdpa`` (a dense boolean mask, the reference) and ``flex`` (flex_attention with a
+Backends: ``sdpa`` (a dense boolean mask, the reference), ``flex`` (flex_attention with a
 BlockMask built from ``death``; compiled, memory linear in T apart from the (T/128)^2 block table;
 no backward on CPU) and ``blocksparse`` (``blocksparse.py``: only the visible key blocks, with a
 recomputing backward in plain torch; memory linear in T on CPU too).
