@@ -4,11 +4,11 @@ The learner's reference backend hands SDPA a dense boolean mask; a mask sends SD
 which keeps the T x T probabilities for the backward (7.4x the memory of causal attention at 4k
 tokens, ``docs/benchmarks.md``). torch's flex_attention avoids that but has no backward on CPU.
 
-Here the death record's block structure (the per-block min/max that ``masks.block_mask_from_death``
-also derives) says which key blocks any query of a query block can see. Per query block and KV head,
-only those key blocks are gathered; scores, softmax and output are computed on them, with the exact
-per-entry mask applied to the gathered columns. The forward keeps the output and the row
-log-sum-exp only; the backward recomputes each block's probabilities from them (FlashAttention's
+Here the death record's block structure (``masks.block_visibility``, from per-block min/max; the
+flex BlockMask uses it too) says which key blocks any query of a query block can see. Per query
+block and KV head, only those key blocks are gathered; scores, softmax and output are computed on
+them, with the exact per-entry mask applied to the gathered columns. The forward keeps the output
+and the row log-sum-exp only; the backward recomputes each block's probabilities from them (FlashAttention's
 recomputation, Dao et al. 2022, Alg. 2, at block granularity in plain torch). Memory is
 O(T x head dim) saved plus one block's scores at a time; time is proportional to the visible blocks.
 
@@ -23,29 +23,23 @@ from __future__ import annotations
 
 import torch
 
+from kvstreams.replay.masks import block_visibility, pad_death
+
 BLOCK_SIZE = 128
 
 
 def visible_key_blocks(death: torch.Tensor, block_size: int) -> list[list[list[torch.Tensor]]]:
     """death [B, Hd, Tp] (Tp a multiple of block_size) -> per b, head, query block: the key indices
     some query of that block can see (every entry of each block that has any visible pair)."""
-    B, Hd, Tp = death.shape
-    nb = Tp // block_size
-    max_death = death.view(B, Hd, nb, block_size).max(dim=-1).values  # [B, Hd, nb]
-    q_start = torch.arange(nb, device=death.device) * block_size
+    any_visible, _ = block_visibility(death, block_size)  # [B, Hd, nq, nk]
     offsets = torch.arange(block_size, device=death.device)
-    out = []
-    for b in range(B):
-        heads = []
-        for h in range(Hd):
-            blocks = []
-            for i in range(nb):
-                # key block kb <= i is visible to block i iff some key in it dies after i's first query
-                kb = torch.nonzero(max_death[b, h, : i + 1] > q_start[i]).flatten()
-                blocks.append((kb[:, None] * block_size + offsets).flatten())
-            heads.append(blocks)
-        out.append(heads)
-    return out
+    return [
+        [
+            [(torch.nonzero(row).flatten()[:, None] * block_size + offsets).flatten() for row in head]
+            for head in rows
+        ]
+        for rows in any_visible
+    ]
 
 
 class _BlockSparseAttention(torch.autograd.Function):
@@ -116,9 +110,5 @@ def block_sparse_attention(
 ) -> torch.Tensor:
     """Attention [B, Hq, T, D] of query [B, Hq, T, D] over key/value [B, Hkv, T, D] (grouped-query)
     under the record death [B, Hd (1 or Hkv), T]: query q sees key j iff j <= q < death[j]."""
-    T = query.shape[2]
-    Tp = -(-T // block_size) * block_size
-    # Padding keys past T are visible to nobody below T: death of a padding key = its own index + 1.
-    pad = torch.arange(T, Tp, device=death.device, dtype=death.dtype) + 1
-    death = torch.cat([death, pad.expand(*death.shape[:2], Tp - T)], dim=-1)
+    death = pad_death(death, block_size)
     return _BlockSparseAttention.apply(query, key, value, death, scale, block_size)

@@ -19,28 +19,44 @@ def dense_visibility(death: torch.Tensor) -> torch.Tensor:
     return (j <= q) & (q < death[..., None, :])
 
 
+def pad_death(death: torch.Tensor, block_size: int) -> torch.Tensor:
+    """death [..., T] padded to a multiple of ``block_size``: each padding key is visible to its own
+    (padding) query only, so nothing below T sees it."""
+    T = death.shape[-1]
+    Tp = -(-T // block_size) * block_size
+    if Tp == T:
+        return death
+    pad = torch.arange(T, Tp, device=death.device, dtype=death.dtype) + 1
+    return torch.cat([death, pad.expand(*death.shape[:-1], Tp - T)], dim=-1)
+
+
+def block_visibility(death: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """death [B, H', Tp] (Tp a multiple of block_size) -> (any_visible, full), bool [B, H', nq, nk]:
+    whether some / every query of query block Q sees some / every key of key block K.
+
+    For ``Q > K``: full iff ``Q.end <= min(death over K)``, empty iff ``Q.start >= max(death over K)``;
+    the diagonal is always partial (some pairs visible, the upper triangle not)."""
+    B, Hd, Tp = death.shape
+    nb = Tp // block_size
+    blocks = death.long().view(B, Hd, nb, block_size)
+    min_death = blocks.min(dim=-1).values[:, :, None, :]  # [B, Hd, 1, nb(key block)]
+    max_death = blocks.max(dim=-1).values[:, :, None, :]
+    qb = torch.arange(nb, device=death.device)[:, None]  # query block
+    kb = torch.arange(nb, device=death.device)[None, :]  # key block
+    below = (qb > kb)[None, None]
+    any_visible = (qb == kb)[None, None] | (below & ((qb * block_size)[None, None] < max_death))
+    full = below & (((qb + 1) * block_size)[None, None] <= min_death)
+    return any_visible, full
+
+
 def block_mask_from_death(death: torch.Tensor, n_heads: int, block_size: int = 128):
     """A flex_attention BlockMask for death [B, H' (1 or H_kv), T] and ``n_heads`` query heads."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    B, Hd, T = death.shape
+    _, Hd, T = death.shape
     group = n_heads // Hd
-    nb = -(-T // block_size)
-    Tp = nb * block_size
-    device = death.device
-    death = death.long()
-    if Tp > T:  # padding keys are visible to their own (padding) query only
-        pad = torch.arange(T, Tp, device=device) + 1
-        death = torch.cat([death, pad.expand(B, Hd, Tp - T)], dim=-1)
-    blocks = death.view(B, Hd, nb, block_size)
-    min_death = blocks.min(dim=-1).values  # [B, Hd, nb(key block)]
-    max_death = blocks.max(dim=-1).values
-    qb = torch.arange(nb, device=device)[:, None]  # query block
-    kb = torch.arange(nb, device=device)[None, :]  # key block
-    q_start = (qb * block_size)[None, None]
-    q_end = ((qb + 1) * block_size)[None, None]
-    any_visible = (qb == kb)[None, None] | ((qb > kb)[None, None] & (q_start < max_death[:, :, None, :]))
-    full = (qb > kb)[None, None] & (q_end <= min_death[:, :, None, :])
+    death = pad_death(death.long(), block_size)
+    any_visible, full = block_visibility(death, block_size)
     partial = any_visible & ~full  # [B, Hd, nq, nk]
 
     def as_indices(blocks_mask: torch.Tensor):
