@@ -144,6 +144,7 @@ def test_bench_on_a_given_model_decodes_at_three_batch_sizes_and_premise_runs(tm
         and rows[0]["dense KL k3"] < 1e-9 < rows[1]["dense KL k3"]
     )
     assert 0.4 < rows[1]["KV saving"] < 0.55  # 50% of each sequence dropped
+    assert all(r["shadow KL k3"] < 1e-9 for r in rows)  # the plot's shadow line: the replay's own KL
     assert main(["bench", "rollout", "--model", str(tiny), "--out", str(tmp_path)]) == 2
     assert "--model is for decode, learner and premise" in capsys.readouterr().err
 
