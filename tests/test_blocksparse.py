@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import random_prompts
-from kvstreams.replay.blocksparse import block_sparse_attention, visible_key_blocks
+from kvstreams.replay.blocksparse import block_sparse_attention, key_blocks
 from kvstreams.replay.masks import dense_visibility
 
 
@@ -28,6 +28,7 @@ def reference(q, k, v, death, scale):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
+@pytest.mark.parametrize("kernel", ["cpu-flash", "math"])
 @pytest.mark.parametrize(
     ("T", "Hq", "Hkv", "Hd", "block", "dtype", "tol"),
     [
@@ -36,7 +37,7 @@ def reference(q, k, v, death, scale):
         (200, 4, 4, 4, 32, torch.float32, 1e-5),  # no grouping, float32
     ],
 )
-def test_block_sparse_matches_the_dense_mask_forward_and_backward(T, Hq, Hkv, Hd, block, dtype, tol):
+def test_block_sparse_matches_the_dense_mask_forward_and_backward(T, Hq, Hkv, Hd, block, dtype, tol, kernel):
     torch.manual_seed(0)
     B, D = 2, 8
     q = torch.randn(B, Hq, T, D, dtype=dtype, requires_grad=True)
@@ -48,7 +49,7 @@ def test_block_sparse_matches_the_dense_mask_forward_and_backward(T, Hq, Hkv, Hd
 
     want = reference(q, k, v, death, scale)
     want_grads = torch.autograd.grad(want, (q, k, v), grad)
-    got = block_sparse_attention(q, k, v, death, scale, block_size=block)
+    got = block_sparse_attention(q, k, v, death, scale, block_size=block, kernel=kernel)
     got_grads = torch.autograd.grad(got, (q, k, v), grad)
 
     assert (got - want).abs().max() <= tol
@@ -56,12 +57,35 @@ def test_block_sparse_matches_the_dense_mask_forward_and_backward(T, Hq, Hkv, Hd
         assert (a - b).abs().max() <= tol * 10
 
 
+@pytest.mark.parametrize("kernel", ["cpu-flash", "math"])
+def test_block_sparse_in_bfloat16_stays_within_bfloat16_rounding_of_the_float64_reference(kernel):
+    """The log-sum-exp is kept in float32 for half types (the fused kernel's precision), so bfloat16
+    errors are those of bfloat16 inputs and outputs, not of a rounded normaliser."""
+    torch.manual_seed(0)
+    B, Hq, Hkv, T, D = 1, 4, 2, 300, 16
+    q, k, v = (torch.randn(B, h, T, D, dtype=torch.float64) for h in (Hq, Hkv, Hkv))
+    death = random_death(B, Hkv, T, seed=2)
+    grad = torch.randn(B, Hq, T, D, dtype=torch.float64)
+    inputs = [t.bfloat16().requires_grad_() for t in (q, k, v)]
+    want = reference(*(t.bfloat16().double().requires_grad_() for t in (q, k, v)), death, D**-0.5)
+    got = block_sparse_attention(*inputs, death, D**-0.5, block_size=64, kernel=kernel)
+    got.backward(grad.bfloat16())
+    assert (got.double() - want).abs().max() < 2e-2
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in inputs)
+
+
 def test_only_visible_key_blocks_are_gathered():
-    """A sliding record (each key dies 2 blocks later) leaves at most 3 key blocks per query block."""
+    """A sliding record (each key dies 2 blocks later) leaves at most 3 key blocks per query block,
+    one of them fully visible (no mask needed)."""
     T, block = 256, 32
     death = (torch.arange(T) + 2 * block).clamp(max=T).to(torch.int32)[None, None]
-    keys = visible_key_blocks(death, block)[0][0]
-    assert [len(idx) // block for idx in keys] == [1, 2, 3, 3, 3, 3, 3, 3]
+    keys = key_blocks(death, block)[0][0]
+    assert [(len(full) // block, len(partial) // block) for full, partial in keys] == [
+        (0, 1),  # the diagonal block is always partial
+        (1, 1),  # block 0's keys die at 64: query block 1 (32..63) sees all of them
+        (1, 2),  # block 0 dies within query block 2's span (64..95): partial
+        *[(1, 2)] * 5,
+    ]
 
 
 @pytest.mark.parametrize("policy_name", ["snapkv", "streaming_llm"])

@@ -87,6 +87,28 @@ def test_padded_and_packed_replay_agree(qwen):
         assert (a[m] - t.sampler_logprobs[m]).abs().max() <= 1e-4
 
 
+@pytest.mark.parametrize("backend", ["sdpa", "blocksparse"])
+def test_dense_padded_replay_is_plain_causal_attention_without_a_mask(qwen, monkeypatch, backend):
+    """Dense mode with one trace per row (the naive learner, re-prefill segments, SMD's teacher) runs
+    as SDPA's is_causal: no mask is built, and it equals the packed (masked) dense replay."""
+    from kvstreams.replay import replay as replay_module
+
+    model, _ = qwen
+    traces = RolloutEngine(model, qwen[1], make_policy("snapkv", budget=64)).generate(
+        random_prompts(3, [30, 90, 50], seed=6), SamplingParams(max_new_tokens=80, seed=1, stop_token_ids=())
+    )
+    packed = replay_logprobs(model, traces, mode="dense", backend=backend, packed=True)
+
+    def no_masks(*args, **kwargs):
+        raise AssertionError("a mask was built for plain causal attention")
+
+    monkeypatch.setattr(replay_module, "dense_visibility", no_masks)
+    monkeypatch.setattr(replay_module, "block_sparse_attention", no_masks)
+    padded = replay_logprobs(model, traces, mode="dense", backend=backend)
+    for a, b in zip(padded, packed, strict=True):
+        assert torch.allclose(a[1:], b[1:], atol=1e-5)
+
+
 def test_replay_with_early_stops_and_truncated_sampling(qwen):
     """Sequences of different prompt lengths that stop at different steps, with top-k/top-p sampling."""
     model, tok = qwen

@@ -11,7 +11,7 @@ import torch
 
 from kvstreams.errors import KVStreamsError
 from kvstreams.train import loss as L
-from kvstreams.train.config import load_config
+from kvstreams.train.config import load_config, to_toml
 from kvstreams.train.corrections import Behaviour, NaiveLoss, SparseRLLoss, SparseRLReleasedLoss, TISLoss
 from kvstreams.train.learner import Learner
 from kvstreams.train.prepare import learner_items
@@ -476,6 +476,21 @@ def test_bad_configs(overrides, message):
     with pytest.raises(KVStreamsError, match="bad config") as err:
         load_config(None, overrides)
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "backend", "packed"),
+    [
+        ([], "blocksparse", True),  # CPU: the block-sparse kernel, traces packed in one row
+        (['model.device="cuda"'], "flex", True),
+        (['train.backend="sdpa"'], "sdpa", False),  # a dense mask over a packed row is quadratic
+        (['train.backend="sdpa"', "optim.packed=true"], "sdpa", True),  # asked for: kept
+    ],
+)
+def test_learner_backend_and_packing_defaults_are_resolved_in_the_config(overrides, backend, packed):
+    cfg = load_config(None, overrides)
+    assert (cfg.train.backend, cfg.optim.packed) == (backend, packed)
+    assert f'backend = "{backend}"' in to_toml(cfg)  # config.json / config show state what runs
 
 
 def test_config_file_errors(tmp_path):

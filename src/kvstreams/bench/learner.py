@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from kvstreams.bench.models import bench_model
 from kvstreams.bench.report import (
@@ -50,6 +50,7 @@ class LearnerBenchSettings:
     backends: list[str] = field(default_factory=lambda: list(BACKENDS))
     step_episodes: int = 4
     step_turns: int = 24
+    step_repeats: int = 3  # each learner step case is timed this many times (median reported)
     slice_tokens: int = 16384  # KV entries per (layer, head) in the slicing check, small model's shape
     keep_fraction: float = 0.5
     seed: int = 0
@@ -57,21 +58,12 @@ class LearnerBenchSettings:
     @classmethod
     def preset(cls, quick: bool) -> LearnerBenchSettings:
         if quick:
-            return cls(lengths=[256], step_episodes=2, step_turns=8, slice_tokens=2048)
+            return cls(lengths=[256], step_episodes=2, step_turns=8, step_repeats=1, slice_tokens=2048)
         return cls()
 
     def on_model(self, model: str) -> LearnerBenchSettings:
         """Replay cost on another model (a real one: T = 512 and 2,048), without the GRPO step section."""
         return dataclasses.replace(self, model=model, lengths=[512, 2048], learner_steps=False)
-
-
-class CausalAttention:
-    """Plain causal attention (no record): the learner's cost floor."""
-
-    def attend(self, module, query, key, value, scale):
-        gqa = query.shape[1] != key.shape[1]
-        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=gqa)
-        return out.transpose(1, 2)
 
 
 def synthetic_trace(length: int, n_layers: int, n_kv_heads: int, vocab: int, seed: int = 0) -> Trace:
@@ -97,22 +89,18 @@ def synthetic_trace(length: int, n_layers: int, n_kv_heads: int, vocab: int, see
 def _replay(model, trace: Trace, backend: str, backward: bool) -> None:
     """One learner forward over ``trace`` with ``backend``; with ``backward``, also the gradient of
     the trace's log-likelihood (the training pass), else under no_grad (pi_old, reference, teacher)."""
-    from kvstreams.attention import attention_context
     from kvstreams.models import model_shape
-    from kvstreams.replay import collate
-    from kvstreams.replay.replay import FLEX_BLOCK_SIZE, ReplayMask, token_logprobs
+    from kvstreams.replay import collate, replay_logits
+    from kvstreams.replay.replay import FLEX_BLOCK_SIZE, token_logprobs
 
     shape = model_shape(model)
+    # causal: the dense mode of one trace per row, which every backend runs as is_causal SDPA
     mode = "dense" if backend == "causal" else "shadow"
     multiple_of = FLEX_BLOCK_SIZE if backend == "flex" else 1
     batch = collate([trace], shape.n_layers, shape.n_kv_heads, mode=mode, multiple_of=multiple_of)
-    if backend == "causal":
-        ctx: Any = CausalAttention()
-    else:
-        ctx = ReplayMask(batch.death, backend, shape.n_heads)  # type: ignore[arg-type]
     model.zero_grad(set_to_none=True)
-    with attention_context(ctx), torch.set_grad_enabled(backward):
-        logits = model(input_ids=batch.tokens, position_ids=batch.positions, use_cache=False).logits
+    with torch.set_grad_enabled(backward):
+        logits = replay_logits(model, batch, "sdpa" if backend == "causal" else backend)  # type: ignore[arg-type]
         loss = -token_logprobs(logits, batch)[0][1:].sum()
     if backward:
         loss.backward()
@@ -140,7 +128,7 @@ def bench_learner(settings: LearnerBenchSettings, models_dir: str | Path, out_di
     if settings.learner_steps:  # off with --model: the step section always runs the tiny model
         steps = report.section(
             "one GRPO learner step on the same episodes (tiny model, memory, sliding_window)",
-            ("what", "traces", "tokens processed", "seconds", "peak MB"),
+            ("what", "backend", "traces", "tokens processed", "seconds", "peak MB"),
         )
     slicing = report.section(
         "evicting half of a KV cache in the learner: physical slicing vs mask (small model's KV shape)",
@@ -149,7 +137,11 @@ def bench_learner(settings: LearnerBenchSettings, models_dir: str | Path, out_di
     model, tok = load_model(bench_model(settings.model, models_dir))
     shape = model_shape(model)
     vocab = model.config.vocab_size
-    n_runs = 2 * len(settings.lengths) * len(settings.backends) + 3 * settings.learner_steps + 2
+    n_runs = (
+        2 * len(settings.lengths) * len(settings.backends)
+        + 5 * settings.step_repeats * settings.learner_steps
+        + 2
+    )
     with progress_bar(n_runs) as step:
         warm = synthetic_trace(128, shape.n_layers, shape.n_kv_heads, vocab, settings.seed)
         for backend in ("causal", "sdpa"):  # lazy initialisation stays out of the first measurement
@@ -165,6 +157,7 @@ def bench_learner(settings: LearnerBenchSettings, models_dir: str | Path, out_di
             steps.rows += _learner_steps(model, tok, settings, step)
         slicing.rows += _slicing(settings, step)
     _targets(report, replay.rows, slicing.rows)
+    _training_targets(report, replay.rows, steps.rows if steps is not None else [])
     report.plots = _plots(replay.rows, Path(out_dir))
     report.seconds = time.perf_counter() - started
     return report
@@ -204,7 +197,6 @@ def _learner_steps(model, tok, settings: LearnerBenchSettings, step) -> list[dic
     from kvstreams.engine.sampling import SamplingParams
     from kvstreams.envs import make_env
     from kvstreams.episodes import EpisodeRunner
-    from kvstreams.train.config import Config
     from kvstreams.train.learner import Learner
     from kvstreams.train.prepare import learner_items
     from kvstreams.train.rollouts import RolloutBatch, Sample
@@ -227,44 +219,53 @@ def _learner_steps(model, tok, settings: LearnerBenchSettings, step) -> list[dic
         rewards = [float(i % 2) for i in range(n)]  # a fixed spread: advantages are non-zero
         samples = [Sample(t, 0, r.episode, rewards[r.episode]) for r in results for t in r.traces]
         batches[mode] = RolloutBatch(samples, rewards, stats)
-    rows = []
-    cases = (
-        ("stream traces, shadow", "stream", "shadow", 0.0),
-        ("re-prefill segments", "reprefill", "reprefill", 0.0),
-        ("stream traces, SMD dual track (lambda 0.1)", "stream", "shadow", 0.1),
+    cases = [
+        ("stream traces, shadow", "stream", "shadow", 0.0, "auto"),
+        ("re-prefill segments", "reprefill", "reprefill", 0.0, "auto"),
+        ("stream traces, SMD dual track (lambda 0.1)", "stream", "shadow", 0.1, "auto"),
+        ("stream traces, shadow", "stream", "shadow", 0.0, "sdpa"),
+        ("re-prefill segments", "reprefill", "reprefill", 0.0, "sdpa"),
+    ]
+    configs = [
+        _step_config(n, mode, correction, distill, backend) for _, mode, correction, distill, backend in cases
+    ]
+    times: list[list[float]] = [[] for _ in cases]
+    peaks = [0.0] * len(cases)
+    # repeats interleaved across cases, so a drift in the machine's load reaches every case alike
+    for _ in range(settings.step_repeats):
+        for i, ((what, mode, *_), cfg) in enumerate(zip(cases, configs, strict=True)):
+            step(f"learner step: {what} ({cfg.train.backend})")
+            learner = Learner(copy.deepcopy(model), cfg)
+            items, _ = learner_items(batches[mode], 0, n, True, cfg.train.max_off_policy_steps)
+            with measure_peak() as peak:
+                t0 = time.perf_counter()
+                learner.step(items)
+                times[i].append(time.perf_counter() - t0)
+            peaks[i] = max(peaks[i], peak.extra / 2**20)
+    return [
+        {
+            "what": what,
+            "backend": f"{cfg.train.backend}, {'packed' if cfg.optim.packed else 'padded'}",
+            "traces": len(batches[mode].samples),
+            "tokens processed": sum(len(s.trace) for s in batches[mode].samples) * (2 if distill else 1),
+            "seconds": statistics.median(times[i]),
+            "peak MB": peaks[i],
+        }
+        for i, ((what, mode, _, distill, _), cfg) in enumerate(zip(cases, configs, strict=True))
+    ]
+
+
+def _step_config(n: int, mode: str, correction: str, distill: float, backend: str):
+    from kvstreams.train.config import Config
+
+    return Config.model_validate(
+        {
+            "rollout": {"group_size": n, "prompts_per_step": 1, "mode": mode, "strategy": "sliding_window"},
+            "loss": {"type": correction, "kl_coef": 0.0}
+            | ({"distill_coef": distill} if correction == "shadow" else {}),
+            "train": {"steps": 1, "backend": backend},
+        }
     )
-    for what, mode, correction, distill in cases:
-        step(f"learner step: {what}")
-        cfg = Config.model_validate(
-            {
-                "rollout": {
-                    "group_size": n,
-                    "prompts_per_step": 1,
-                    "mode": mode,
-                    "strategy": "sliding_window",
-                },
-                "loss": {"type": correction, "kl_coef": 0.0}
-                | ({"distill_coef": distill} if correction == "shadow" else {}),
-                "train": {"steps": 1},
-            }
-        )
-        learner = Learner(copy.deepcopy(model), cfg)
-        batch = batches[mode]
-        items, _ = learner_items(batch, 0, n, True, cfg.train.max_off_policy_steps)
-        with measure_peak() as peak:
-            t0 = time.perf_counter()
-            learner.step(items)
-            seconds = time.perf_counter() - t0
-        rows.append(
-            {
-                "what": what,
-                "traces": len(batch.samples),
-                "tokens processed": sum(len(s.trace) for s in batch.samples) * (2 if distill else 1),
-                "seconds": seconds,
-                "peak MB": peak.extra / 2**20,
-            }
-        )
-    return rows
 
 
 def _slicing(settings: LearnerBenchSettings, step) -> list[dict[str, Any]]:
@@ -348,6 +349,41 @@ def _targets(report: BenchReport, replay: list[dict], slicing: list[dict]) -> No
                 "slicing peak ~1.5x KV, mask ~1.0x",
                 f"slicing {s['peak / KV']:.2f}x, mask {m['peak / KV']:.2f}x",
                 s["peak / KV"] > 1.3 and m["peak / KV"] < 1.05,
+            )
+        )
+
+
+def _training_targets(report: BenchReport, replay: list[dict], steps: list[dict]) -> None:
+    """Issue #11's targets for the CPU learner: the training pass near causal memory at long T, and a
+    learner step on stream traces well under the same episodes' re-prefill segments."""
+    passes = [
+        r
+        for r in replay
+        if r["backend"] == "blocksparse"
+        and r["pass"] == "forward+backward"
+        and r["T"] >= 4096
+        and r.get("peak / causal")
+    ]
+    if passes:
+        report.targets.append(
+            Target(
+                "block-sparse training pass peak memory vs plain causal, T >= 4k",
+                "<= 1.2x",
+                "; ".join(f"T={r['T']}: {r['peak / causal']:.2f}x" for r in passes),
+                max(r["peak / causal"] for r in passes) <= 1.2,
+            )
+        )
+    default = [r for r in steps if not r["backend"].startswith("sdpa")]
+    stream = next((r for r in default if r["what"] == "stream traces, shadow"), None)
+    segments = next((r for r in default if r["what"] == "re-prefill segments"), None)
+    if stream and segments:
+        ratio = stream["seconds"] / segments["seconds"]
+        report.targets.append(
+            Target(
+                f"learner step, stream traces vs re-prefill segments ({stream['backend']})",
+                "<= 0.6x",
+                f"{ratio:.2f}x ({stream['seconds']:.1f} s vs {segments['seconds']:.1f} s)",
+                ratio <= 0.6,
             )
         )
 

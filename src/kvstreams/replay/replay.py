@@ -6,6 +6,10 @@ positions); every attention layer masks with that layer's ``death`` record, per 
 - ``shadow``: the recorded visibility (log-probs equal the sampler's up to float error);
 - ``dense``: ordinary causal attention over the whole trace, ignoring the record (the naive learner).
 
+With one trace per row and nothing evicted (dense mode; re-prefill segments) the visibility is plain
+causal attention, and every backend runs it as SDPA's ``is_causal`` (its flash kernel, no mask);
+packed, it goes through the backend's mask.
+
 Backends: ``sdpa`` (a dense boolean mask, the reference), ``flex`` (flex_attention with a
 BlockMask built from ``death``; compiled, memory linear in T apart from the (T/128)^2 block table;
 no backward on CPU) and ``blocksparse`` (``blocksparse.py``: only the visible key blocks, with a
@@ -16,6 +20,7 @@ entry dies at the end of its own trace, packing needs nothing beyond offsetting 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -46,14 +51,14 @@ class ReplayBatch:
     death: torch.Tensor  # [B, L or 1, H_kv or 1, T], indices within the row
     spans: list[tuple[int, int, int]]
     sampling: list[tuple[float, int, float]]  # per trace: temperature, top_k, top_p it was sampled with
+    causal: bool = False  # the visibility is plain causal attention (one trace per row, nothing evicted)
 
     def to(self, device) -> ReplayBatch:
-        return ReplayBatch(
-            self.tokens.to(device),
-            self.positions.to(device),
-            self.death.to(device),
-            self.spans,
-            self.sampling,
+        return dataclasses.replace(
+            self,
+            tokens=self.tokens.to(device),
+            positions=self.positions.to(device),
+            death=self.death.to(device),
         )
 
 
@@ -97,7 +102,11 @@ def collate(
         else:
             d = trace.death_for(n_layers, n_kv_heads)[:L, :H] if (L, H) != (1, 1) else trace.death[:1, :1]
             death[row, :, :, start : start + n] = d.expand(L, H, n) + start
-    return ReplayBatch(tokens, positions, death, spans, [(t.temperature, t.top_k, t.top_p) for t in traces])
+    sampling = [(t.temperature, t.top_k, t.top_p) for t in traces]
+    # One trace per row that evicts nothing (dense mode, or re-prefill segments) is plain causal
+    # attention: right padding never reaches a real query, so the row needs no mask at all.
+    causal = not packed and (mode == "dense" or all(t.n_evicted == 0 for t in traces))
+    return ReplayBatch(tokens, positions, death, spans, sampling, causal=causal)
 
 
 FLEX_BLOCK_SIZE = 128
@@ -114,14 +123,16 @@ def _flex_attention():
 
 
 class ReplayMask:
-    """Attention context that masks every layer with its recorded visibility."""
+    """Attention context that masks every layer with its recorded visibility (``causal``: plain causal
+    attention, no record needed)."""
 
-    def __init__(self, death: torch.Tensor, backend: Backend, n_heads: int) -> None:
+    def __init__(self, death: torch.Tensor, backend: Backend, n_heads: int, causal: bool = False) -> None:
         if backend not in BACKENDS:
             raise KVStreamsError(f"unknown replay backend {backend!r}; choose {' or '.join(BACKENDS)}")
         self.death = death
         self.backend = backend
         self.n_heads = n_heads
+        self.causal = causal
         self._masks: dict[int, object] = {}
 
     def mask_for(self, layer: int):
@@ -147,8 +158,13 @@ class ReplayMask:
         value: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        mask = self.mask_for(module.layer_idx)
         gqa = query.shape[1] != key.shape[1]
+        if self.causal:
+            out = F.scaled_dot_product_attention(
+                query, key, value, is_causal=True, scale=scale, enable_gqa=gqa
+            )
+            return out.transpose(1, 2)
+        mask = self.mask_for(module.layer_idx)
         if self.backend == "sdpa":
             out = F.scaled_dot_product_attention(
                 query, key, value, attn_mask=mask, scale=scale, enable_gqa=gqa
@@ -164,7 +180,7 @@ def replay_logits(model, batch: ReplayBatch, backend: Backend = "sdpa") -> torch
     """Logits [B, T, V] of the model over the batch under the batch's visibility (with grad if enabled)."""
     device = next(model.parameters()).device
     batch = batch.to(device)
-    ctx = ReplayMask(batch.death, backend, model_shape(model).n_heads)
+    ctx = ReplayMask(batch.death, backend, model_shape(model).n_heads, causal=batch.causal)
     with attention_context(ctx):
         return model(input_ids=batch.tokens, position_ids=batch.positions, use_cache=False).logits
 

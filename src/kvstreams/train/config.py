@@ -77,10 +77,10 @@ class OptimSection(_Section):
     warmup_steps: int = Field(0, ge=0)
     updates_per_batch: int = Field(1, ge=1, description="optimizer steps on each batch against pi_old")
     micro_batch_tokens: int = Field(8192, ge=64)
-    packed: bool = Field(
-        False,
-        description="pack traces in one row (worth it with the flex backend; "
-        "with SDPA the dense mask is quadratic in the row length, so pad one trace per row)",
+    packed: bool | None = Field(
+        None,
+        description="pack a micro-batch's traces in one row (no padding) or pad one trace per row; "
+        "default: packed, except with train.backend = 'sdpa', whose dense mask is quadratic in the row length",
     )
 
 
@@ -106,11 +106,11 @@ class TrainSection(_Section):
         description="a group whose oldest sampled token came from weights more than this many steps "
         "older than the step that trains it is dropped, not trained on (prime-rl; KV-streams used 3)",
     )
-    backend: Literal["sdpa", "flex", "blocksparse"] = Field(
-        "sdpa",
+    backend: Literal["auto", "sdpa", "flex", "blocksparse"] = Field(
+        "auto",
         description="the learner's masked attention: sdpa (dense T x T mask, the reference), flex "
-        "(flex_attention BlockMask; GPU only for training) or blocksparse (visible key blocks only, "
-        "recomputing backward; memory linear in T on CPU too)",
+        "(flex_attention BlockMask; GPU only for training), blocksparse (visible key blocks only, "
+        "recomputing backward; memory linear in T on CPU too); auto: flex on CUDA, blocksparse elsewhere",
     )
     tensorboard: bool = True
     plots: bool = True
@@ -142,6 +142,15 @@ class Config(_Section):
                 raise ValueError('correction is now type (e.g. type = "shadow")')
             value = {**value, "type": "shadow"}
         return value
+
+    @model_validator(mode="after")
+    def _resolve_defaults(self) -> Config:
+        """The settings that follow from others, resolved once so config.json states what runs."""
+        if self.train.backend == "auto":
+            self.train.backend = "flex" if self.model.device.startswith("cuda") else "blocksparse"
+        if self.optim.packed is None:
+            self.optim.packed = self.train.backend != "sdpa"
+        return self
 
     @model_validator(mode="after")
     def _combinations(self) -> Config:

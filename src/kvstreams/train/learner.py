@@ -15,6 +15,7 @@ for each micro-batch: forward -> loss -> backward -> optimizer step.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -134,18 +135,25 @@ class Learner:
             packed=self.cfg.optim.packed,
         )
         logits = replay_logits(model, batch, self.cfg.train.backend)
-        rows, targets = [], []
-        for (row, start, _), item in zip(batch.spans, mb.items, strict=True):
-            rows.append(logits[row, start + item.positions - 1])
-            targets.append(batch.tokens[row, start + item.positions].to(logits.device))
-        return torch.cat(rows), torch.cat(targets)
+        # one gather for the whole micro-batch: one index per trace would make the backward allocate
+        # a logits-sized gradient per trace
+        row = torch.cat(
+            [torch.full_like(i.positions, r) for (r, _, _), i in zip(batch.spans, mb.items, strict=True)]
+        )
+        col = torch.cat([s + i.positions for (_, s, _), i in zip(batch.spans, mb.items, strict=True)])
+        return logits[row.to(logits.device), (col - 1).to(logits.device)], batch.tokens[row, col].to(
+            logits.device
+        )
 
     def _logp(self, rows: torch.Tensor, targets: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
-        """log pi(token) [N] under each trace's sampling distribution (temperature, top-k, top-p)."""
+        """log pi(token) [N] under each trace's sampling distribution (temperature, top-k, top-p),
+        one call per run of traces sampled alike (usually the whole micro-batch)."""
         out, k = [], 0
-        for item in mb.items:
-            n, t = int(item.positions.numel()), item.trace
-            out.append(policy_logprobs(rows[k : k + n], targets[k : k + n], t.temperature, t.top_k, t.top_p))
+        for params, run in itertools.groupby(
+            mb.items, key=lambda i: (i.trace.temperature, i.trace.top_k, i.trace.top_p)
+        ):
+            n = sum(int(i.positions.numel()) for i in run)
+            out.append(policy_logprobs(rows[k : k + n], targets[k : k + n], *params))
             k += n
         return torch.cat(out)
 
