@@ -231,6 +231,23 @@ def test_sampler_records_the_logprob_of_the_distribution_it_samples_from():
         assert int(tok) == 0 and float(lp) == 0.0
 
 
+def test_inverse_transform_draw_never_picks_an_impossible_token_and_has_the_law_of_probs():
+    from kvstreams.engine.sampling import draw
+
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]])
+    picks = [int(draw(probs, torch.tensor([[u]], dtype=torch.float64))) for u in (0.0, 0.25, 0.5, 1 - 2**-53)]
+    assert picks == [1, 1, 3, 3]  # u = 0 lands on the first possible token, not on token 0
+    assert int(draw(probs, torch.tensor([[1.0]], dtype=torch.float64))) == 3  # u * total rounded up to total
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(3, 50, generator=g), dim=-1)
+    counts = torch.zeros(3, 50)
+    for _ in range(4000):
+        counts.scatter_add_(
+            1, draw(p, torch.rand(3, 1, generator=g, dtype=torch.float64))[:, None], torch.ones(3, 1)
+        )
+    assert (counts / 4000 - p).abs().max() < 0.03
+
+
 def test_budget_too_small_for_protected_entries(qwen):
     model, tok = qwen
     engine = RolloutEngine(model, tok, make_policy("snapkv", budget=40))  # keeps 40 - 32 = 8 < window 32
