@@ -553,3 +553,106 @@ def test_grpo_updates_favour_rewarded_episodes(qwen, model_dirs, tmp_path):
     rewarded = [d for d, s in zip(deltas, batch.samples, strict=True) if batch.rewards[s.episode] > 0]
     others = [d for d, s in zip(deltas, batch.samples, strict=True) if batch.rewards[s.episode] == 0]
     assert min(rewarded) > 0 > max(others)
+
+
+# --- training integrity: nothing non-finite is stepped on or checkpointed ----------------------------
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+@pytest.mark.parametrize("key", ["optim.lr", "loss.kl_coef", "optim.grad_clip", "rollout.temperature"])
+def test_non_finite_config_numbers_are_refused_when_the_config_loads(key, value):
+    section, field = key.split(".")
+    with pytest.raises(KVStreamsError, match=rf"bad config: {section}\.(shadow\.)?{field}"):
+        load_config(None, [f"{key}={value}"])
+
+
+def test_booleans_are_not_taken_for_numbers():
+    with pytest.raises(KVStreamsError, match=r"bad config: train\.steps"):
+        load_config(None, ["train.steps=true"])
+
+
+def test_a_non_finite_loss_is_skipped_counted_and_never_stepped_on(
+    qwen, model_dirs, tmp_path, compacted_batch, monkeypatch
+):
+    model, _ = qwen
+    cfg = small_config(model_dirs["qwen3"], tmp_path, **{"rollout.group_size": 5})
+    real = L.ppo_clip_loss
+    monkeypatch.setattr(
+        L, "ppo_clip_loss", lambda *a, **k: (real(*a, **k)[0] * float("nan"), *real(*a, **k)[1:])
+    )
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    metrics = learner_step_then_restore_and_compare(model, cfg, compacted_batch, before)
+    assert metrics["optim/nonfinite_skipped"] == 1.0
+    monkeypatch.setattr(L, "ppo_clip_loss", real)
+    metrics = learner_step_then_restore(model, cfg, compacted_batch)
+    assert metrics["optim/nonfinite_skipped"] == 0.0
+
+
+def learner_step_then_restore_and_compare(model, cfg, batch, before) -> dict[str, float]:
+    """One learner step; asserts the weights did not move, then puts them back."""
+    try:
+        learner = Learner(model, cfg)
+        metrics = learner.step(items_of(batch, cfg))
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, before[k]), f"{k} changed on a skipped step"
+        return metrics
+    finally:
+        model.load_state_dict(before)
+
+
+def test_non_finite_weights_are_never_checkpointed(model_dirs, tmp_path, monkeypatch):
+    """An update that leaves a non-finite weight (here injected after AdamW's step) stops the run with
+    one clear line before anything is checkpointed."""
+    from kvstreams.train.checkpoint import latest_checkpoint
+    from kvstreams.train.loop import train
+
+    real_step = torch.optim.AdamW.step
+
+    def breaking_step(self, *args, **kwargs):
+        out = real_step(self, *args, **kwargs)
+        self.param_groups[0]["params"][0].data[0] = float("nan")
+        return out
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", breaking_step)
+    cfg = small_config(model_dirs["qwen3"], tmp_path, **{"train.eval_every": "0"})
+    with pytest.raises(KVStreamsError, match="step 1: the update left non-finite weights"):
+        train(cfg, show_progress=False)
+    assert latest_checkpoint(tmp_path / "run" / "checkpoints") is None
+
+
+def test_a_huge_learning_rate_never_writes_nan_weights(model_dirs, tmp_path):
+    """The report's case: lr = 1e6 with entropy_coef = 1 used to write NaN weights to step-*."""
+    from safetensors.torch import load_file
+
+    from kvstreams.train.loop import train
+
+    overrides = {"optim.lr": "1e6", "loss.entropy_coef": "1.0", "train.steps": "3", "train.eval_every": "0"}
+    cfg = small_config(model_dirs["qwen3"], tmp_path, **overrides)
+    try:
+        train(cfg, show_progress=False)
+    except KVStreamsError as err:  # stopping is fine; a broken checkpoint is not
+        assert "non-finite" in str(err)
+    for weights in (tmp_path / "run" / "checkpoints").glob("step-*/*.safetensors"):
+        assert all(bool(torch.isfinite(t).all()) for t in load_file(weights).values()), weights
+
+
+def test_consecutive_non_finite_steps_stop_the_run(model_dirs, tmp_path, monkeypatch):
+    from kvstreams.train.checkpoint import latest_checkpoint
+    from kvstreams.train.loop import train
+
+    real = L.ppo_clip_loss
+    calls = {"n": 0}
+
+    def nan_after_first_step(*args, **kwargs):
+        pg, *rest = real(*args, **kwargs)
+        calls["n"] += 1
+        return (pg * float("nan") if calls["n"] > 1 else pg), *rest
+
+    monkeypatch.setattr(L, "ppo_clip_loss", nan_after_first_step)
+    overrides = {"train.steps": "5", "train.max_nonfinite_steps": "2", "train.eval_every": "0"}
+    cfg = small_config(model_dirs["qwen3"], tmp_path, **overrides)
+    with pytest.raises(KVStreamsError, match="step 3: 2 updates in a row skipped"):
+        train(cfg, show_progress=False)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["optim/nonfinite_skipped"] for r in rows] == [0.0, 1.0]  # step 3 stopped before logging
+    assert latest_checkpoint(tmp_path / "run" / "checkpoints").name == "step-000001"

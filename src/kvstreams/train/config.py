@@ -26,7 +26,8 @@ from kvstreams.train.corrections import (
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # strict: `steps = true` is not 1; allow_inf_nan: no nan or inf reaches the optimiser or the sampler
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True, allow_inf_nan=False)
 
 
 class ModelSection(_Section):
@@ -105,6 +106,12 @@ class TrainSection(_Section):
         ge=0,
         description="a group whose oldest sampled token came from weights more than this many steps "
         "older than the step that trains it is dropped, not trained on (prime-rl; KV-streams used 3)",
+    )
+    max_nonfinite_steps: int = Field(
+        3,
+        ge=1,
+        description="a step whose loss or gradient is not finite is skipped (counted as "
+        "optim/nonfinite_skipped); this many in a row stop the run",
     )
     backend: Literal["auto", "sdpa", "flex", "blocksparse"] = Field(
         "auto",

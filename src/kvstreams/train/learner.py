@@ -124,6 +124,10 @@ class Learner:
             return 0.5 * (1.0 + math.cos(progress * math.pi))
         return 1.0
 
+    def weights_finite(self) -> bool:
+        """Whether every parameter is finite (a finite gradient times a huge lr can still break them)."""
+        return all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
+
     # --- forwards ------------------------------------------------------------------------------------
     def _rows(self, model, mb: MicroBatch, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The logits rows predicting each trained token [N, V], and the tokens [N]."""
@@ -180,7 +184,7 @@ class Learner:
         """One GRPO step (``optim.updates_per_batch`` optimizer steps) on ``items``; returns metrics."""
         items = [i for i in items if i.positions.numel() > 0]
         if not items:
-            return {"tokens/trained": 0.0, "optim/skipped": 1.0}
+            return {"tokens/trained": 0.0, "optim/skipped": 1.0, "optim/nonfinite_skipped": 0.0}
         mbs = micro_batches(items, self.cfg.optim.micro_batch_tokens)
         start_logp, ref = self._before_update(mbs)
         sampler_logp = torch.cat([mb.sampler_logp() for mb in mbs])
@@ -195,14 +199,23 @@ class Learner:
         sums: dict[str, float] = {}
         first_logp = []
         self.model.train()
+        skipped = 0
         for update in range(self.cfg.optim.updates_per_batch):
+            losses_before = dict(sums)
             for mb, part, mb_ref in zip(mbs, parts, ref, strict=True):
                 logp = self._accumulate(mb, part, mb_ref, norm, sums, first=update == 0)
                 if update == 0:
                     first_logp.append(logp)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
-            self.optimizer.step()
-            self.scheduler.step()
+            # a non-finite loss or gradient never reaches the weights: the update is skipped and counted
+            finite = math.isfinite(float(grad_norm)) and all(
+                math.isfinite(v - losses_before.get(k, 0.0)) for k, v in sums.items() if k.startswith("loss/")
+            )
+            if finite:
+                self.optimizer.step()
+                self.scheduler.step()
+            else:
+                skipped += 1
             self.optimizer.zero_grad(set_to_none=True)
         self.model.eval()
         # the mismatch the correction faces: sampler vs the learner, in its view, before any update
@@ -214,6 +227,7 @@ class Learner:
         metrics["correction/kept_token_frac"] = norm.tokens / max(1, seq.numel())
         metrics["correction/discarded_seq_frac"] = 1 - norm.seqs / len(items)
         metrics["grad/norm"] = float(grad_norm)
+        metrics["optim/nonfinite_skipped"] = float(skipped)
         metrics["optim/lr"] = float(self.scheduler.get_last_lr()[0])
         metrics["tokens/trained"] = float(norm.tokens)
         return metrics

@@ -190,6 +190,7 @@ def train(cfg: Config, resume: bool = False, show_progress: bool = True) -> dict
     producer = AsyncRollouts(model, tokenizer, cfg, start, weights) if cfg.train.asynchronous else None
     progress_ctx = _progress(cfg.train.steps, start) if show_progress else nullcontext(None)
     last: dict[str, float] = {}
+    nonfinite_run = 0  # consecutive steps whose update was skipped for a non-finite loss or gradient
     try:
         with progress_ctx as progress:
             for step in range(start, cfg.train.steps):
@@ -207,6 +208,8 @@ def train(cfg: Config, resume: bool = False, show_progress: bool = True) -> dict
                 )
                 metrics.update(off_policy)
                 metrics.update(learner.step(items))
+                nonfinite_run = nonfinite_run + 1 if metrics["optim/nonfinite_skipped"] else 0
+                _check_integrity(learner, cfg, step, nonfinite_run)
                 if producer is not None:
                     weights.publish(model, step + 1)
                     producer.learner_done(step)
@@ -253,6 +256,23 @@ def train(cfg: Config, resume: bool = False, show_progress: bool = True) -> dict
         summary["plots"] = [str(p) for p in log.plot()]
     write_json(out / "summary.json", summary)
     return summary
+
+
+def _check_integrity(learner: Learner, cfg: Config, step: int, nonfinite_run: int) -> None:
+    """Stop before a broken model is used or checkpointed: weights that are no longer finite, or
+    ``train.max_nonfinite_steps`` updates in a row skipped for a non-finite loss or gradient."""
+    last_saved = "no checkpoint was written" if step == 0 else "earlier checkpoints are intact"
+    if not learner.weights_finite():
+        raise KVStreamsError(
+            f"step {step + 1}: the update left non-finite weights (optim.lr = {cfg.optim.lr:g}); "
+            f"nothing from this step is saved and {last_saved}"
+        )
+    if nonfinite_run >= cfg.train.max_nonfinite_steps:
+        raise KVStreamsError(
+            f"step {step + 1}: {nonfinite_run} updates in a row skipped for a non-finite loss or gradient "
+            f"(train.max_nonfinite_steps = {cfg.train.max_nonfinite_steps}); check optim.lr and the loss "
+            f"coefficients; {last_saved}"
+        )
 
 
 def _mean(rows: list[dict[str, Any]], key: str) -> float | None:

@@ -55,7 +55,7 @@ class Weighting:
 class LossBase(BaseModel):
     """PPO/GRPO settings shared by every correction (``[loss]`` in the TOML)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True, allow_inf_nan=False)
 
     #: set by :func:`register`
     view: ClassVar[View] = "dense"
