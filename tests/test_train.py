@@ -656,3 +656,63 @@ def test_consecutive_non_finite_steps_stop_the_run(model_dirs, tmp_path, monkeyp
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["optim/nonfinite_skipped"] for r in rows] == [0.0, 1.0]  # step 3 stopped before logging
     assert latest_checkpoint(tmp_path / "run" / "checkpoints").name == "step-000001"
+
+
+def test_group_advantages_leave_out_invalid_episodes():
+    rewards = torch.tensor([1.0, 0.0, 5.0, 0.0])
+    valid = torch.tensor([True, True, False, True])
+    adv = L.group_advantages(rewards, 4, normalize_std=False, valid=valid)
+    mean = 1 / 3  # of the three valid rewards; the failed one's 5.0 does not count
+    assert torch.allclose(adv, torch.tensor([1 - mean, -mean, 0.0, -mean]))
+
+
+@pytest.mark.parametrize(
+    ("env_args", "message"),
+    [
+        ('{n_turns = "abc"}', "option n_turns = 'abc' is not an integer"),
+        ("{n_turns = -2}", "n_turns must be >= 1"),
+        ("{n_facts = 0}", "n_facts must be >= 1"),
+        ("{n_turns = true}", "is not an integer"),
+    ],
+)
+def test_bad_environment_arguments_are_a_config_error(env_args, message):
+    with pytest.raises(KVStreamsError, match="bad config: rollout: environment 'memory'") as err:
+        load_config(None, [f"rollout.env_args={env_args}"])
+    assert message in str(err.value)
+
+
+def test_episodes_whose_environment_raises_are_dropped_counted_and_stop_the_run_when_most_fail(
+    model_dirs, tmp_path, monkeypatch, capsys
+):
+    from kvstreams.envs.memory import MemoryEnv
+    from kvstreams.train.loop import train
+
+    real_step, real_reset = MemoryEnv.step, MemoryEnv.reset
+    resets = {"n": 0, "fail_every": 4}
+
+    def reset(self, seed):
+        resets["n"] += 1
+        self._fails = resets["n"] % resets["fail_every"] == 0
+        return real_reset(self, seed)
+
+    def step(self, reply):
+        if self._fails:
+            raise RuntimeError("simulated environment fault")
+        return real_step(self, reply)
+
+    monkeypatch.setattr(MemoryEnv, "step", step)
+    monkeypatch.setattr(MemoryEnv, "reset", reset)
+    cfg = small_config(model_dirs["qwen3"], tmp_path / "a", **{"train.eval_every": "0"})
+    train(cfg, show_progress=False)  # one episode in four fails
+    rows = [json.loads(x) for x in (tmp_path / "a" / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["rollout/failed_frac"] == 0.25 for r in rows)
+    assert all(r["tokens/trained"] > 0 for r in rows)
+    err = capsys.readouterr().err
+    assert err.count("simulated environment fault") == 1  # printed once, with its seed
+    assert "seed " in err
+    resets["fail_every"] = 1  # now every episode fails
+    cfg = small_config(model_dirs["qwen3"], tmp_path / "b", **{"train.eval_every": "0"})
+    with pytest.raises(
+        KVStreamsError, match="step 1: 4 of 4 episodes failed in their environment; first: seed"
+    ):
+        train(cfg, show_progress=False)

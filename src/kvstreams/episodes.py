@@ -70,6 +70,7 @@ class Episode:
     segments: list[Trace] = field(default_factory=list)
     first_fill: int = 0  # tokens forwarded before the first compaction
     started: float = field(default_factory=time.perf_counter)
+    error: str | None = None
 
     @property
     def live_tokens(self) -> int:
@@ -122,6 +123,7 @@ class EpisodeResult:
     traces: list[Trace]  # one in stream/full mode; the segments in reprefill mode
     info: dict[str, Any]
     compactions: list[dict[str, Any]]
+    error: str | None = None  # the environment raised (reset or step): the episode is not trained on
 
 
 class EpisodeRunner:
@@ -197,6 +199,7 @@ class EpisodeRunner:
             try:
                 messages = ep.env.reset(ep.seed)
             except Exception as err:  # an environment failing must not take the batch down
+                ep.error = f"seed {ep.seed}: reset raised {type(err).__name__}: {err}"
                 self._finish(ep, reason=f"reset raised {type(err).__name__}: {err}")
                 continue
             head = self.chat.head(messages)
@@ -247,7 +250,7 @@ class EpisodeRunner:
                 logits = dict(zip((ep.index for ep in active), out, strict=True))
 
         results = [
-            EpisodeResult(ep.index, ep.seed, ep.reward, ep.segments, ep.info, ep.compactions)
+            EpisodeResult(ep.index, ep.seed, ep.reward, ep.segments, ep.info, ep.compactions, ep.error)
             for ep in episodes
         ]
         return results, self._stats(episodes, time.perf_counter() - start)
@@ -306,6 +309,7 @@ class EpisodeRunner:
         try:
             messages, reward, done, info = ep.env.step(text)
         except Exception as err:
+            ep.error = f"seed {ep.seed}: step raised {type(err).__name__}: {err}"
             self._finish(ep, reason=f"step raised {type(err).__name__}: {err}", failed=True)
             return
         ep.reward += float(reward)

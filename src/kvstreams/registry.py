@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import types
+import typing
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
@@ -39,4 +42,32 @@ class Registry(Generic[T]):
             raise KVStreamsError(
                 f"{self.kind} {name!r} has no option(s) {', '.join(unknown)}; it takes {', '.join(sorted(fields))}"
             )
-        return cls(**{k: v for k, v in options.items() if v is not None})
+        options = {k: v for k, v in options.items() if v is not None}
+        hints = typing.get_type_hints(cls)
+        for key, value in options.items():
+            problem = _type_problem(hints.get(key), value)
+            if problem:
+                raise KVStreamsError(f"{self.kind} {name!r}: option {key} = {value!r} {problem}")
+        return cls(**options)
+
+
+def _type_problem(hint: Any, value: Any) -> str | None:
+    """Why ``value`` does not fit a simple annotation (int, float, str, bool, or one of them or None);
+    None when it fits or the annotation is not a simple one. bool is not taken for a number."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        inner = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(inner) != 1:
+            return None
+        hint = inner[0]
+    if hint is int and (isinstance(value, bool) or not isinstance(value, int)):
+        return "is not an integer"
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return "is not a number"
+        if not math.isfinite(value):
+            return "is not finite"
+    if hint is str and not isinstance(value, str):
+        return "is not a string"
+    if hint is bool and not isinstance(value, bool):
+        return "is not true or false"
+    return None

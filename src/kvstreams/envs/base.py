@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
+from kvstreams.errors import KVStreamsError
 from kvstreams.registry import Registry
 
 Message = dict[str, str]
@@ -43,6 +44,13 @@ class Environment:
 
     def reset(self, seed: int) -> list[Message]:
         raise NotImplementedError
+
+    def require_at_least(self, **limits: int) -> None:
+        """Option checks for ``__post_init__``: a bad value is one clear line before any rollout."""
+        for option, low in limits.items():
+            value = getattr(self, option)
+            if value < low:
+                raise KVStreamsError(f"environment {self.name!r}: {option} must be >= {low}, got {value}")
 
     def step(self, reply: str) -> StepResult:
         raise NotImplementedError

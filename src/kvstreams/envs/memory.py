@@ -40,6 +40,9 @@ class MemoryEnv(Environment):
     _turn: int = field(default=0, init=False, repr=False)
     _rng: random.Random = field(default_factory=random.Random, init=False, repr=False)
 
+    def __post_init__(self) -> None:
+        self.require_at_least(n_facts=1, n_turns=1, noise_words=0, max_turns=1)
+
     def _fact_value(self, kind: str) -> str:
         if kind == "code":
             return str(self._rng.randint(1000, 9999))

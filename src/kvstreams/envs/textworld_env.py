@@ -72,6 +72,9 @@ class TextWorldEnv(Environment):
     _score: float = field(default=0.0, init=False, repr=False)
     _steps: int = field(default=0, init=False, repr=False)
 
+    def __post_init__(self) -> None:
+        self.require_at_least(world_size=1, nb_objects=1, quest_length=1, max_turns=1)
+
     def game_path(self, seed: int) -> Path:
         root = Path(self.cache_dir) if self.cache_dir else default_cache_dir()
         name = f"w{self.world_size}-o{self.nb_objects}-q{self.quest_length}-s{seed}.z8"

@@ -186,12 +186,14 @@ class Config(_Section):
 
 
 def _check_builds(r: RolloutSection) -> None:
-    """The strategy and policy the rollouts will build, built now: bad names, presets or options are
-    a config error before any model is loaded."""
+    """The environment, strategy and policy the rollouts will build, built now: bad names, presets or
+    options are a config error before any model is loaded."""
     from kvstreams.compaction import make_strategy
+    from kvstreams.envs import make_env
     from kvstreams.policies import make_policy
 
     try:
+        make_env(r.env, **r.env_args)
         if r.strategy:
             make_strategy(r.strategy, preset=r.strategy_preset, **r.strategy_args)
         if r.policy:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import queue
+import sys
 import threading
 import time
 from contextlib import nullcontext
@@ -191,6 +192,7 @@ def train(cfg: Config, resume: bool = False, show_progress: bool = True) -> dict
     progress_ctx = _progress(cfg.train.steps, start) if show_progress else nullcontext(None)
     last: dict[str, float] = {}
     nonfinite_run = 0  # consecutive steps whose update was skipped for a non-finite loss or gradient
+    reported: set[str] = set()  # environment errors already printed
     try:
         with progress_ctx as progress:
             for step in range(start, cfg.train.steps):
@@ -207,6 +209,7 @@ def train(cfg: Config, resume: bool = False, show_progress: bool = True) -> dict
                     batch, step, cfg.rollout.group_size, lc.normalize_std, cfg.train.max_off_policy_steps
                 )
                 metrics.update(off_policy)
+                _report_failures(batch, step, reported)
                 metrics.update(learner.step(items))
                 nonfinite_run = nonfinite_run + 1 if metrics["optim/nonfinite_skipped"] else 0
                 _check_integrity(learner, cfg, step, nonfinite_run)
@@ -256,6 +259,25 @@ def train(cfg: Config, resume: bool = False, show_progress: bool = True) -> dict
         summary["plots"] = [str(p) for p in log.plot()]
     write_json(out / "summary.json", summary)
     return summary
+
+
+def _report_failures(batch: RolloutBatch, step: int, reported: set[str]) -> None:
+    """Episodes whose environment raised are dropped from the batch (``learner_items``); each distinct
+    error is printed once, with the seed it first came from; a step where most episodes fail stops."""
+    errors = [e for e in batch.errors if e]
+    for error in errors:
+        kind = error.split(": ", 1)[-1]
+        if kind not in reported:
+            reported.add(kind)
+            print(
+                f"kvstreams train: step {step + 1}: episode dropped, environment failed ({error})",
+                file=sys.stderr,
+            )
+    if errors and len(errors) > len(batch.rewards) / 2:
+        raise KVStreamsError(
+            f"step {step + 1}: {len(errors)} of {len(batch.rewards)} episodes failed in their environment; "
+            f"first: {errors[0]}"
+        )
 
 
 def _check_integrity(learner: Learner, cfg: Config, step: int, nonfinite_run: int) -> None:

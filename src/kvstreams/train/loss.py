@@ -10,16 +10,26 @@ import torch
 
 
 def group_advantages(
-    rewards: torch.Tensor, group_size: int, normalize_std: bool = True, eps: float = 1e-6
+    rewards: torch.Tensor,
+    group_size: int,
+    normalize_std: bool = True,
+    eps: float = 1e-6,
+    valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """GRPO: reward minus its group's mean, divided by the group's std unless ``normalize_std`` is off
-    (Dr. GRPO). ``rewards`` [G * group_size], groups contiguous."""
+    (Dr. GRPO). ``rewards`` [G * group_size], groups contiguous. ``valid`` [G * group_size] bool:
+    episodes left out (failed ones): they neither count in their group's statistics nor get an
+    advantage (0)."""
     if rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
     r = rewards.view(-1, group_size).float()
-    adv = r - r.mean(dim=1, keepdim=True)
+    w = torch.ones_like(r) if valid is None else valid.view(-1, group_size).float()
+    n = w.sum(dim=1, keepdim=True).clamp(min=1)
+    mean = (r * w).sum(dim=1, keepdim=True) / n
+    adv = (r - mean) * w
     if normalize_std:
-        adv = adv / (r.std(dim=1, keepdim=True, unbiased=False) + eps)
+        std = ((adv**2).sum(dim=1, keepdim=True) / n).sqrt()
+        adv = adv / (std + eps)
     return adv.reshape(-1)
 
 

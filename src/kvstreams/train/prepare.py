@@ -63,12 +63,17 @@ def learner_items(
     batch: RolloutBatch, step: int, group_size: int, normalize_std: bool, max_off_policy_steps: int
 ) -> tuple[list[TrainItem], dict[str, float]]:
     """GRPO advantages per episode (reward minus its group's mean, / std unless Dr. GRPO), given to
-    every trained token of the episode (all its segments in re-prefill mode); stale groups dropped."""
-    advantages = L.group_advantages(torch.tensor(batch.rewards), group_size, normalize_std)
+    every trained token of the episode (all its segments in re-prefill mode); stale groups and
+    episodes whose environment raised are dropped."""
+    failed = batch.failed()
+    valid = torch.tensor([not f for f in failed])
+    advantages = L.group_advantages(torch.tensor(batch.rewards), group_size, normalize_std, valid=valid)
     stale, metrics = stale_groups(batch, step, max_off_policy_steps)
+    # an episode whose environment raised is not trained on: its reward says nothing about the policy
     items = [
         TrainItem(s.trace, float(advantages[s.episode]), trained_positions(s.trace))
         for s in batch.samples
-        if s.group not in stale
+        if s.group not in stale and not failed[s.episode]
     ]
+    metrics["rollout/failed_frac"] = sum(failed) / max(1, len(failed))
     return items, metrics

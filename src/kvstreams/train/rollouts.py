@@ -45,6 +45,11 @@ class RolloutBatch:
     rewards: list[float]  # per episode, groups contiguous
     stats: RolloutStats
     info: dict[str, Any] = field(default_factory=dict)
+    errors: list[str | None] = field(default_factory=list)  # per episode: why its environment failed
+
+    def failed(self) -> list[bool]:
+        """Per episode: its environment raised (the episode is not trained on)."""
+        return [bool(e) for e in self.errors] if self.errors else [False] * len(self.rewards)
 
 
 def single_turn(cfg: Config) -> bool:
@@ -128,7 +133,8 @@ class RolloutSource:
         samples = [
             Sample(t, groups[res.episode], res.episode, res.reward) for res in results for t in res.traces
         ]
-        return RolloutBatch(samples, [res.reward for res in results], stats)
+        errors = [res.error for res in results]
+        return RolloutBatch(samples, [res.reward for res in results], stats, errors=errors)
 
     def _single_turn(self, envs, env_seeds, sample_seeds, groups, greedy, on_step, progress) -> RolloutBatch:
         r = self.cfg.rollout
@@ -141,10 +147,15 @@ class RolloutSource:
         traces = engine.generate(
             prompts, self._sampling(sample_seeds[0], greedy), progress=progress, on_step=on_step
         )
-        rewards = []
-        for env, trace in zip(envs, traces, strict=True):
+        rewards, errors = [], []
+        for env, trace, seed in zip(envs, traces, env_seeds, strict=True):
             reply = trace.tokens[trace.sampled_mask].tolist()
-            rewards.append(float(env.step(self.chat.decode(reply)).reward))
+            try:
+                rewards.append(float(env.step(self.chat.decode(reply)).reward))
+                errors.append(None)
+            except Exception as err:  # one environment failing must not take the batch down
+                rewards.append(0.0)
+                errors.append(f"seed {seed}: step raised {type(err).__name__}: {err}")
         stats = RolloutStats(
             episodes=len(traces),
             tokens_forwarded=sum(len(t) - 1 for t in traces),
@@ -156,4 +167,4 @@ class RolloutSource:
         samples = [
             Sample(t, g, i, rw) for i, (t, g, rw) in enumerate(zip(traces, groups, rewards, strict=True))
         ]
-        return RolloutBatch(samples, rewards, stats)
+        return RolloutBatch(samples, rewards, stats, errors=errors)
