@@ -87,6 +87,23 @@ def test_rollout_bench_counts_reprefill_and_stream(tmp_path, bench_models):
     assert saved["machine"]["torch"] == torch.__version__ and saved["sections"][0]["rows"]
 
 
+def test_rollout_curve_plays_every_budget_at_every_length_without_full_context(
+    tmp_path, bench_models, capsys
+):
+    out = tmp_path / "curve"
+    args = ["bench", "rollout", "--curve", "--quick", "--out", str(out), "--models", str(bench_models)]
+    assert main([*args, "--json", str(tmp_path / "c.json")]) == 0
+    report = json.loads((tmp_path / "c.json").read_text())
+    runs, ratios = report["sections"][0]["rows"], report["sections"][1]["rows"]
+    assert {r["mode"] for r in runs} == {"stream", "reprefill"}  # the curve leaves full context out
+    points = {(r["B"], r["turns"]) for r in ratios}
+    assert points == {(b, t) for b in (192, 256) for t in (6, 12)}
+    assert all(r["wall full/stream"] is None and r["tokens reprefill/stream"] > 1 for r in ratios)
+    assert (out / "rollout-curve-quick.json").is_file() and (out / "rollout_curve.png").stat().st_size > 0
+    assert main(["bench", "learner", "--curve", "--quick", "--out", str(out)]) == 2
+    assert "--curve is for bench rollout" in capsys.readouterr().err
+
+
 def test_bench_decode_cli_writes_json(tmp_path, bench_models, capsys):
     out = tmp_path / "bench"
     code = main(

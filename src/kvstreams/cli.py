@@ -268,6 +268,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="run on this model instead of the preset's: a model directory or smollm2 (decode: batches "
         "1, 8 and 32; premise: the model to measure)",
     )
+    p.add_argument(
+        "--curve",
+        action="store_true",
+        help="rollout: the speed-up curve over r/B and episode length (small model, ~40 minutes) "
+        "instead of the preset's points",
+    )
     p.add_argument("--json", default=None, help="also write the report(s) to this JSON file")
     p.add_argument(
         "--kvpress-python",
@@ -799,10 +805,15 @@ def cmd_bench(args) -> int:
     _check_out(out)
     models = Path(args.models) if args.models else out / "models"
     names = list(ALL) if args.which == "all" else [args.which]
+    if args.curve and args.which != "rollout":
+        raise KVStreamsError("--curve is for bench rollout")
     reports = {}
     for name in names:
         settings_type, run = BENCHES[name]
         settings = settings_type.preset(args.quick)  # type: ignore[attr-defined]
+        if args.curve:
+            settings = settings_type.curve(args.quick)  # type: ignore[attr-defined]
+            name = "rollout-curve"
         if args.model:
             settings = settings.on_model(args.model)  # type: ignore[attr-defined]
         if name == "decode":
@@ -813,7 +824,7 @@ def cmd_bench(args) -> int:
         print_report(report)
         reports[name] = report.as_dict()
     if args.json:
-        write_json(Path(args.json), reports if len(reports) > 1 else reports[names[0]])
+        write_json(Path(args.json), reports if len(reports) > 1 else next(iter(reports.values())))
     return 0
 
 

@@ -225,6 +225,8 @@ def print_report(report: BenchReport, console=None) -> None:
         f"({report.seconds:.0f} s)"
     )
     for s in report.sections:
+        if not s.rows and not s.note:  # a section this preset does not fill
+            continue
         table = Table(title=s.title, title_justify="left")
         for c in s.columns:
             left = c in _TEXT_COLUMNS

@@ -48,6 +48,7 @@ class RolloutBenchSettings:
     filler_block: int = 16  # tiny-model stream runs are repeated at this block size to count filler
     kv_turns: list[int] = field(default_factory=list)  # episode lengths of the KV-growth check (tiny)
     kv_episodes: int = 2
+    full_context: bool = True  # also play each point's episodes with the full context (no compaction)
     seed: int = 0
 
     def on_model(self, model: str) -> RolloutBenchSettings:
@@ -82,6 +83,26 @@ class RolloutBenchSettings:
             Point("small", "memory", "markovian", episodes=4, turns=16),
         ]
         return cls(points=tiny + small, kv_turns=[10, 20, 40, 80], kv_episodes=1)
+
+    @classmethod
+    def curve(cls, quick: bool = False) -> RolloutBenchSettings:
+        """``bench rollout --curve``: the wall-clock speed-up of stream over re-prefill on the small
+        model across r/B (sliding window at B = 384, 768, 1536 on ``memory``: r/B ~0.7, ~0.87, ~0.93)
+        and episode length (20, 40, 80 turns: more compactions per episode), 2 episodes a point; the
+        full-context mode is left out (about 40 minutes on 2 cores)."""
+        if quick:
+            points = [
+                Point("tiny", "memory", "sliding_window", b, episodes=1, turns=t)
+                for b in (192, 256)
+                for t in (6, 12)
+            ]
+            return cls(points=points, max_reply_tokens=8, full_context=False)
+        points = [
+            Point("small", "memory", "sliding_window", b, episodes=2, turns=t)
+            for b in (384, 768, 1536)
+            for t in (20, 40, 80)
+        ]
+        return cls(points=points, full_context=False)
 
 
 def _env_args(env: str, turns: int) -> dict[str, Any]:
@@ -151,7 +172,7 @@ RUN_COLUMNS = (
     "closed form", "closed form err", "steady err", "seconds", "decode tok/s", "peak KV MB",
 )  # fmt: skip
 RATIO_COLUMNS = (
-    "model", "env", "strategy", "B", "r/B", "B/(B-r)", "tokens reprefill/stream", "wall reprefill/stream",
+    "model", "env", "strategy", "B", "turns", "r/B", "B/(B-r)", "tokens reprefill/stream", "wall reprefill/stream",
     "wall full/stream", "filler b=16 %",
 )  # fmt: skip
 
@@ -181,8 +202,10 @@ def bench_rollout(settings: RolloutBenchSettings, models_dir: str | Path, out_di
     def same_episodes(p: Point) -> tuple:
         return (p.model, p.env, p.episodes, p.turns)
 
-    filler_points = [p for p in settings.points if p.model == "tiny"]  # filler does not depend on the model
-    n_runs = 2 * len(settings.points) + len(filler_points) + len({same_episodes(p) for p in settings.points})
+    # filler does not depend on the model
+    filler_points = [p for p in settings.points if p.model == "tiny" and settings.full_context]
+    n_full = len({same_episodes(p) for p in settings.points}) if settings.full_context else 0
+    n_runs = 2 * len(settings.points) + len(filler_points) + n_full
     n_runs += 2 * len(settings.kv_turns)
     with progress_bar(n_runs) as step:
         for point in settings.points:
@@ -202,11 +225,11 @@ def bench_rollout(settings: RolloutBenchSettings, models_dir: str | Path, out_di
                 step(f"{name} stream at block size {settings.filler_block}")
                 blocked = play(model, tok, point, "stream", settings, block_size=settings.filler_block)
             key = same_episodes(point)
-            if key not in full_rows:
+            if key not in full_rows and settings.full_context:
                 step(f"{point.model} {point.env} full context")
                 full_rows[key] = play(model, tok, point, "full", settings)
                 runs.rows.append(full_rows[key])
-            s, r, f = rows["stream"], rows["reprefill"], full_rows[key]
+            s, r, f = rows["stream"], rows["reprefill"], full_rows.get(key)
             rb = r["r/B"]
             ratios.rows.append(
                 {
@@ -214,11 +237,12 @@ def bench_rollout(settings: RolloutBenchSettings, models_dir: str | Path, out_di
                     "env": point.env,
                     "strategy": point.label,
                     "B": s["B"],
+                    "turns": point.turns,
                     "r/B": rb,
                     "B/(B-r)": 1 / (1 - rb) if rb is not None and rb < 1 else None,
                     "tokens reprefill/stream": r["tokens fwd"] / s["tokens fwd"],
                     "wall reprefill/stream": r["seconds"] / s["seconds"],
-                    "wall full/stream": f["seconds"] / s["seconds"],
+                    "wall full/stream": f["seconds"] / s["seconds"] if f else None,
                     "filler b=1": s["filler"],
                     "filler b=16": blocked["filler"] if blocked else None,
                     "filler b=16 %": 100 * blocked["filler"] / blocked["trace tokens"] if blocked else None,
@@ -336,4 +360,36 @@ def _plots(ratios: list[dict], growth: list[dict], out: Path) -> list[str]:
         ax.grid(alpha=0.3)
         ax.legend()
         paths.append(save_figure(fig, out / "rollout_kv.png"))
+    if len({r["turns"] for r in points}) > 1:
+        paths.append(_curve_plot(points, out))
     return paths
+
+
+def _curve_plot(points: list[dict], out: Path) -> str:
+    """Wall-clock re-prefill/stream over episode length (one line per B) and over r/B (one line per length)."""
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.2))
+    for b in sorted({r["B"] for r in points}):
+        rows = sorted((r for r in points if r["B"] == b), key=lambda r: r["turns"])
+        mean_rb = sum(r["r/B"] for r in rows) / len(rows)
+        line = left.plot([r["turns"] for r in rows], [r["wall reprefill/stream"] for r in rows], "o-",
+                         label=f"B = {b} (r/B ~{mean_rb:.2f}): wall-clock")[0]  # fmt: skip
+        left.plot([r["turns"] for r in rows], [r["tokens reprefill/stream"] for r in rows], "--",
+                  color=line.get_color(), alpha=0.6, label=f"B = {b}: tokens")  # fmt: skip
+    for turns in sorted({r["turns"] for r in points}):
+        rows = sorted((r for r in points if r["turns"] == turns), key=lambda r: r["r/B"])
+        right.plot(
+            [r["r/B"] for r in rows], [r["wall reprefill/stream"] for r in rows], "o-", label=f"{turns} turns"
+        )
+    left.set_xlabel("episode length (turns)")
+    right.set_xlabel("retained fraction r/B")
+    for ax in (left, right):
+        ax.set_ylabel("re-prefill / stream")
+        ax.axhline(3.0, color="gray", lw=0.8, ls=":")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="upper left")
+    fig.suptitle(
+        f"re-prefill vs KV streams ({points[0]['model']} model, {points[0]['env']}, {points[0]['strategy']})"
+    )
+    return save_figure(fig, out / "rollout_curve.png")
