@@ -145,9 +145,8 @@ class Learner:
             [torch.full_like(i.positions, r) for (r, _, _), i in zip(batch.spans, mb.items, strict=True)]
         )
         col = torch.cat([s + i.positions for (_, s, _), i in zip(batch.spans, mb.items, strict=True)])
-        return logits[row.to(logits.device), (col - 1).to(logits.device)], batch.tokens[row, col].to(
-            logits.device
-        )
+        device = logits.device
+        return logits[row.to(device), (col - 1).to(device)], batch.tokens[row, col].to(device)
 
     def _logp(self, rows: torch.Tensor, targets: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         """log pi(token) [N] under each trace's sampling distribution (temperature, top-k, top-p),
