@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import random_prompts
+from kvstreams.compaction import STRATEGIES, make_strategy
+from kvstreams.policies import POLICIES
 from kvstreams.replay.blocksparse import block_sparse_attention, key_blocks
 from kvstreams.replay.masks import dense_visibility
 
@@ -88,21 +90,13 @@ def test_only_visible_key_blocks_are_gathered():
     ]
 
 
-@pytest.mark.parametrize("policy_name", ["snapkv", "streaming_llm"])
-def test_blocksparse_replay_backend_matches_sdpa_on_traces_logits_and_gradients(models, policy_name):
-    """Through a whole model on recorded per-head traces: logits and parameter gradients within 1e-5."""
-    from kvstreams.engine import RolloutEngine, SamplingParams
+def _assert_blocksparse_matches_sdpa(model, traces, packed: bool) -> None:
+    """Logits and every parameter gradient of the block-sparse replay within 1e-5 of the dense mask."""
     from kvstreams.models import model_shape
-    from kvstreams.policies import make_policy
     from kvstreams.replay import collate, replay_logits
 
-    model, tok = models["qwen3"]
-    params = SamplingParams(max_new_tokens=300, seed=0, stop_token_ids=())
-    engine = RolloutEngine(model, tok, make_policy(policy_name, budget=0.5))
-    traces = engine.generate(random_prompts(2, [40, 57], seed=1), params)
-    assert all(t.n_evicted > 0 for t in traces)
     shape = model_shape(model)
-    batch = collate(traces, shape.n_layers, shape.n_kv_heads, mode="shadow")
+    batch = collate(traces, shape.n_layers, shape.n_kv_heads, mode="shadow", packed=packed)
 
     def logits_and_grads(backend):
         model.zero_grad(set_to_none=True)
@@ -112,6 +106,41 @@ def test_blocksparse_replay_backend_matches_sdpa_on_traces_logits_and_gradients(
 
     want, want_grads = logits_and_grads("sdpa")
     got, got_grads = logits_and_grads("blocksparse")
+    model.zero_grad(set_to_none=True)
     assert (got - want).abs().max() < 1e-5
     assert len(got_grads) == len(want_grads)
     assert max((a - b).abs().max().item() for a, b in zip(got_grads, want_grads, strict=True)) < 1e-5
+
+
+@pytest.mark.parametrize("policy_name", sorted(POLICIES))
+def test_blocksparse_replay_backend_matches_sdpa_on_every_policys_traces(models, policy_name):
+    """Through a whole model on recorded per-head traces (packed, as the CPU learner runs them)."""
+    from kvstreams.engine import RolloutEngine, SamplingParams
+    from kvstreams.policies import make_policy
+
+    model, tok = models["qwen3"]
+    params = SamplingParams(max_new_tokens=300, seed=0, stop_token_ids=())
+    options = {} if policy_name == "full" else {"budget": 0.5}
+    traces = RolloutEngine(model, tok, make_policy(policy_name, **options)).generate(
+        random_prompts(2, [40, 57], seed=1), params
+    )
+    assert policy_name == "full" or all(t.n_evicted > 0 for t in traces)
+    _assert_blocksparse_matches_sdpa(model, traces, packed=True)
+
+
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_blocksparse_replay_backend_matches_sdpa_on_every_strategys_traces(models, strategy):
+    """Stream traces of multi-turn episodes with compaction, padded and packed."""
+    from kvstreams.engine import SamplingParams
+    from kvstreams.envs import make_env
+    from kvstreams.episodes import EpisodeRunner
+
+    model, tok = models["qwen3"]
+    runner = EpisodeRunner(
+        model, tok, make_strategy(strategy), mode="stream", sampling=SamplingParams(seed=0)
+    )
+    results, _ = runner.run([make_env("memory") for _ in range(2)], [1, 2])
+    traces = [t for r in results for t in r.traces]
+    assert all(t.n_evicted > 0 for t in traces)
+    for packed in (False, True):
+        _assert_blocksparse_matches_sdpa(model, traces, packed)
