@@ -90,8 +90,7 @@ class GSM8KEnv(Environment):
     _current: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.shots < 0:
-            raise KVStreamsError(f"gsm8k: shots must be >= 0, got {self.shots}")
+        self.require_at_least(shots=0)
 
     def held_out(self) -> GSM8KEnv:
         return dataclasses.replace(self, evaluating=True)

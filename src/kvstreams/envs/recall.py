@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from kvstreams.envs.base import Environment, Message, StepResult, register
-from kvstreams.errors import KVStreamsError
 
 FILLER = (
     "The weather in the valley was mild that spring.",
@@ -49,8 +48,7 @@ class RecallEnv(Environment):
     _code: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.n_filler < 0:
-            raise KVStreamsError(f"recall: n_filler must be >= 0, got {self.n_filler}")
+        self.require_at_least(n_filler=0)
 
     def reset(self, seed: int) -> list[Message]:
         rng = random.Random(seed)

@@ -13,7 +13,8 @@ packed, it goes through the backend's mask.
 Backends: ``sdpa`` (a dense boolean mask, the reference), ``flex`` (flex_attention with a
 BlockMask built from ``death``; compiled, memory linear in T apart from the (T/128)^2 block table;
 no backward on CPU) and ``blocksparse`` (``blocksparse.py``: only the visible key blocks, with a
-recomputing backward in plain torch; memory linear in T on CPU too).
+recomputing backward: torch's fused CPU flash kernel per block on CPU, plain torch elsewhere;
+memory linear in T; the CPU training default).
 Traces can be batched padded (one per row) or packed (concatenated in one row): since a never-evicted
 entry dies at the end of its own trace, packing needs nothing beyond offsetting ``death``.
 """
