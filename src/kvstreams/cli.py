@@ -280,6 +280,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="decode: a Python whose environment has kvpress (e.g. .venv-kvpress/bin/python) to compare with",
     )
+
+    p = sub.add_parser(
+        "experiment", help="rerun a paper result: arms x seeds, mean ± 95%% interval (configs/experiments)"
+    )
+    p.add_argument("name", help="an experiment in configs/experiments (or a TOML path); 'list' lists them")
+    p.add_argument("--quick", action="store_true", help="tiny settings that finish in minutes (CI)")
+    p.add_argument("--seeds", type=_positive(int), default=None, help="seeds per arm (default: the spec's)")
+    p.add_argument("--out", default=None, help="default: runs/experiments/NAME[-quick]; reruns resume")
     return parser
 
 
@@ -773,6 +781,26 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_experiment(args) -> int:
+    from kvstreams import experiments
+
+    if args.name == "list":
+        for name in experiments.available():
+            spec = experiments.load_spec(name)
+            print(f"{name:22s} {spec.title}")
+        return 0
+    spec = experiments.load_spec(args.name)
+    out = Path(args.out) if args.out else experiments.default_out(spec, args.quick)
+    _check_out(out)
+    _quiet_transformers()
+    command = f"kvstreams experiment {args.name}" + " --quick" * args.quick
+    command += f" --seeds {args.seeds}" if args.seeds else ""
+    payload = experiments.run(spec, out, quick=args.quick, seeds=args.seeds, command=command)
+    print((out / "results.md").read_text())
+    print(f"results: {out / 'results.json'}; plots: {', '.join(payload['plots'])}")
+    return 0
+
+
 def cmd_sft(args) -> int:
     from kvstreams.train.config import load_config
     from kvstreams.train.sft import sft
@@ -836,6 +864,7 @@ COMMANDS = {
     "inspect": cmd_inspect,
     "train": cmd_train,
     "sft": cmd_sft,
+    "experiment": cmd_experiment,
     "config": cmd_config,
     "bench": cmd_bench,
 }

@@ -8,7 +8,9 @@ own replies (or summaries) can still answer. Each reply should be
 Knobs: ``n_facts`` (how much to remember), ``n_turns`` (distractor turns before the question),
 ``noise_words`` (length of each distractor observation). Reward: the fraction of facts answered
 correctly, given at the end. ``expert_reply`` carries the facts in every reply, so its demonstrations
-teach exactly that habit.
+teach exactly that habit; with ``expert_carries_state = False`` its states are empty and only its final
+answer is right (read from the full context): demonstrations of the output format alone, for the
+experiment where RL must discover the habit (``configs/experiments/recurrence-from-rl.toml``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class MemoryEnv(Environment):
     n_turns: int = 10
     noise_words: int = 24
     max_turns: int = 32
+    expert_carries_state: bool = True
     _facts: dict[str, str] = field(default_factory=dict, init=False, repr=False)
     _turn: int = field(default=0, init=False, repr=False)
     _rng: random.Random = field(default_factory=random.Random, init=False, repr=False)
@@ -49,6 +52,11 @@ class MemoryEnv(Environment):
         if kind == "number":
             return str(self._rng.randint(10, 99))
         return self._rng.choice({"color": COLORS, "room": ROOMS, "name": NAMES}[kind])
+
+    @property
+    def facts(self) -> dict[str, str]:
+        """The facts of the current episode (kind -> value)."""
+        return dict(self._facts)
 
     def state_text(self) -> str:
         return " ".join(f"{k}={v}" for k, v in self._facts.items())
@@ -94,6 +102,7 @@ class MemoryEnv(Environment):
     def expert_reply(self) -> str:
         if self._turn == 0:  # nothing to remember yet
             return "<state></state><action>ok</action>"
+        state = self.state_text() if self.expert_carries_state else ""
         if self._turn >= self.n_turns:
-            return f"<state>{self.state_text()}</state><action>{self.state_text()}</action>"
-        return f"<state>{self.state_text()}</state><action>ok</action>"
+            return f"<state>{state}</state><action>{self.state_text()}</action>"
+        return f"<state>{state}</state><action>ok</action>"

@@ -8,12 +8,14 @@ without a parsable action is sent as it is (the game answers "That's not a verb 
 reduced to printable ASCII (the Z-machine's jericho crashes on anything else); nothing the agent
 says crashes an episode. Reward: score gained / max score at every step.
 
-Knobs: ``world_size`` (rooms), ``nb_objects``, ``quest_length``, ``max_turns`` (step limit).
+Knobs: ``world_size`` (rooms), ``nb_objects``, ``quest_length``, ``max_turns`` (step limit),
+``game_set`` (train on a fixed set of that many games; evaluation always plays unseen ones).
 ``expert_reply`` follows the game's walkthrough.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import threading
@@ -66,6 +68,7 @@ class TextWorldEnv(Environment):
     quest_length: int = 3
     max_turns: int = 24
     cache_dir: str = ""
+    game_set: int = 0
     _env: Any = field(default=None, init=False, repr=False)
     _walkthrough: list[str] = field(default_factory=list, init=False, repr=False)
     _max_score: float = field(default=1.0, init=False, repr=False)
@@ -73,7 +76,17 @@ class TextWorldEnv(Environment):
     _steps: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.require_at_least(world_size=1, nb_objects=1, quest_length=1, max_turns=1)
+        self.require_at_least(world_size=1, nb_objects=1, quest_length=1, max_turns=1, game_set=0)
+
+    def game_seed(self, seed: int) -> int:
+        """The game an episode seed plays: with ``game_set = N`` training cycles over N games
+        (seeds 0..N-1), otherwise every seed is its own game."""
+        return seed % self.game_set if self.game_set else seed
+
+    def held_out(self) -> TextWorldEnv:
+        """Evaluation plays the game of its own seed (evaluation seeds start at ``train.eval_seed``,
+        far above any training game), never one of the training set."""
+        return dataclasses.replace(self, game_set=0)
 
     def game_path(self, seed: int) -> Path:
         root = Path(self.cache_dir) if self.cache_dir else default_cache_dir()
@@ -117,7 +130,7 @@ class TextWorldEnv(Environment):
         import textworld
 
         self.close()
-        path = self.make_game(seed)
+        path = self.make_game(self.game_seed(seed))
         infos = textworld.EnvInfos(max_score=True, won=True, lost=True, extras=["walkthrough"])
         with (
             warnings.catch_warnings()

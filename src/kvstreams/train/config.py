@@ -202,18 +202,26 @@ def _check_builds(r: RolloutSection) -> None:
         raise ValueError(f"rollout: {err}") from None
 
 
-def _set(data: dict[str, Any], dotted: str, raw: str) -> None:
+def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    """``data["a"]["b"] = value`` for ``dotted = "a.b"``, creating sections on the way."""
     keys = dotted.split(".")
     node = data
     for key in keys[:-1]:
         node = node.setdefault(key, {})
         if not isinstance(node, dict):
-            raise KVStreamsError(f"--set {dotted}: {key} is not a section")
+            raise KVStreamsError(f"{dotted}: {key} is not a section")
+    node[keys[-1]] = value
+
+
+def _set(data: dict[str, Any], dotted: str, raw: str) -> None:
     try:
         value: Any = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw  # a bare string
-    node[keys[-1]] = value
+    try:
+        set_dotted(data, dotted, value)
+    except KVStreamsError as err:
+        raise KVStreamsError(f"--set {err}") from None
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
@@ -232,6 +240,11 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             raise KVStreamsError(f"--set takes key=value, got {item!r}")
         key, raw = item.split("=", 1)
         _set(data, key.strip(), raw.strip())
+    return validate_config(data)
+
+
+def validate_config(data: dict[str, Any]) -> Config:
+    """A config from its TOML data; the first problem is one line (``KVStreamsError``)."""
     try:
         return Config.model_validate(data)
     except ValidationError as err:

@@ -196,6 +196,7 @@ def train(cfg: Config, resume: bool = False, show_progress: bool = True) -> dict
     try:
         with progress_ctx as progress:
             for step in range(start, cfg.train.steps):
+                t_step = time.perf_counter()
                 if producer is not None:
                     batch, seconds = producer.get()
                 else:
@@ -211,6 +212,8 @@ def train(cfg: Config, resume: bool = False, show_progress: bool = True) -> dict
                 metrics.update(off_policy)
                 _report_failures(batch, step, reported)
                 metrics.update(learner.step(items))
+                # wall-clock of the step without evaluation or checkpointing: what speed-to-reward counts
+                metrics["time/step_seconds"] = time.perf_counter() - t_step
                 nonfinite_run = nonfinite_run + 1 if metrics["optim/nonfinite_skipped"] else 0
                 _check_integrity(learner, cfg, step, nonfinite_run)
                 if producer is not None:

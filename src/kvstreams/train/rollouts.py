@@ -96,12 +96,20 @@ class RolloutSource:
         )
 
     def evaluate(self, n: int, greedy: bool) -> float:
-        """Mean reward on held-out tasks: seeds from ``train.eval_seed`` on, in the environment's
-        held-out split (GSM8K's test split); never used for training."""
-        seeds = [self.cfg.train.eval_seed + i for i in range(n)]
-        mode = self.cfg.rollout.mode if self.cfg.rollout.mode != "reprefill" else "stream"
-        batch = self._run(seeds, seeds, list(range(n)), greedy=greedy, mode=mode, held_out=True)
+        """Mean reward on held-out tasks (:meth:`evaluation_batch`)."""
+        batch = self.evaluation_batch(n, greedy)
         return sum(batch.rewards) / len(batch.rewards)
+
+    def evaluation_seeds(self, n: int) -> list[int]:
+        return [self.cfg.train.eval_seed + i for i in range(n)]
+
+    def evaluation_batch(self, n: int, greedy: bool) -> RolloutBatch:
+        """Episodes on held-out tasks: seeds from ``train.eval_seed`` on, in the environment's held-out
+        split (GSM8K's test split); never used for training. Re-prefill runs are evaluated in stream
+        mode (the same model sees the same context)."""
+        seeds = self.evaluation_seeds(n)
+        mode = self.cfg.rollout.mode if self.cfg.rollout.mode != "reprefill" else "stream"
+        return self._run(seeds, seeds, list(range(n)), greedy=greedy, mode=mode, held_out=True)
 
     def _run(
         self, env_seeds, sample_seeds, groups, greedy, mode, on_step=None, progress=None, held_out=False

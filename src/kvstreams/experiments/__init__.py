@@ -1,0 +1,93 @@
+"""``kvstreams experiment NAME``: the papers' results as commands anyone can rerun.
+
+Specs live in ``configs/experiments/`` (:mod:`.spec`); training experiments run their arms x seeds
+through ``kvstreams train`` (:mod:`.runner`) and report mean ± 95% intervals (:mod:`.report`);
+``is-variance`` is a probe without training (:mod:`.is_variance`).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvstreams.atomic import write_json
+from kvstreams.experiments.report import write_report
+from kvstreams.experiments.runner import run_experiment
+from kvstreams.experiments.spec import ExperimentSpec, available, load_spec
+
+__all__ = ["ExperimentSpec", "available", "load_spec", "run"]
+
+
+def default_out(spec: ExperimentSpec, quick: bool) -> Path:
+    return Path("runs/experiments") / (f"{spec.name}-quick" if quick else spec.name)
+
+
+def run(spec: ExperimentSpec, out: Path, quick: bool, seeds: int | None, command: str) -> dict[str, Any]:
+    """Run (or finish) the experiment under ``out`` and write its report there."""
+    out.mkdir(parents=True, exist_ok=True)
+    if spec.kind == "is_variance":
+        return _run_probe(spec, out, quick, seeds, command)
+    results = run_experiment(spec, out, quick=quick, seeds=seeds)
+    return write_report(spec, spec.arms_to_run(quick), results, out, command)
+
+
+def _run_probe(spec: ExperimentSpec, out: Path, quick: bool, seeds: int | None, command: str) -> dict:
+    """Tiny random models (one per seed), and SmolLM2-135M when converted (a sampling seed each)."""
+    from kvstreams.experiments.is_variance import plot_probe, probe_model, summarise_probe
+    from kvstreams.models import load_model, make_tiny_model
+    from kvstreams.pretrained import default_dir
+
+    n_seeds = seeds or (spec.quick.seeds if quick else spec.seeds)
+    ws = spec.warm_start
+    models: dict[str, list[str]] = {"tiny": []}
+    for seed in range(n_seeds):
+        path = out / "models" / f"tiny-seed-{seed}"
+        if not (path / "config.json").is_file():
+            kwargs = (
+                {}
+                if ws is None
+                else {"arch": ws.arch, "layers": ws.layers, "hidden": ws.hidden, "heads": ws.heads}
+            )
+            make_tiny_model(path, seed=seed, **kwargs)
+        models["tiny"].append(str(path))
+    real = default_dir("smollm2", "float32")
+    if spec.probe.real_model and not quick and (real / "config.json").is_file():
+        models["SmolLM2-135M"] = [str(real)] * n_seeds
+    replicates: dict[str, list[dict]] = {}
+    for name, paths in models.items():
+        replicates[name] = []
+        for seed, path in enumerate(paths):
+            done = out / "runs" / name / f"seed-{seed}.json"
+            if not done.is_file():
+                print(f"{spec.name}: {name}, seed {seed}", file=sys.stderr, flush=True)
+                model, tokenizer = load_model(path)
+                write_json(done, probe_model(model, tokenizer, spec, seed, quick))
+            replicates[name].append(json.loads(done.read_text()))
+    summaries = {name: summarise_probe(reps) for name, reps in replicates.items()}
+    payload = {"experiment": spec.name, "command": command, "summary": summaries, "runs": replicates}
+    write_json(out / "results.json", payload)
+    (out / "results.md").write_text(_probe_markdown(spec, summaries, command))
+    payload["plots"] = [str(plot_probe(summaries, out))]
+    return payload
+
+
+def _probe_markdown(spec: ExperimentSpec, summaries: dict[str, Any], command: str) -> str:
+    lines = [f"# {spec.title}", "", f"Reproduces: {spec.source}", "", f"Command: `{command}`", ""]
+    lines += [
+        "| model | learner | length | Var(log w) | Var(w) | ESS fraction |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, summary in summaries.items():
+        for learner in ("dense", "shadow"):
+            for length, figs in sorted(summary[learner].items(), key=lambda kv: int(kv[0])):
+                cells = [_iv(figs[k]) for k in ("var_log_w", "var_w", "ess_frac")]
+                lines.append(f"| {name} | {learner} | {length} | " + " | ".join(cells) + " |")
+    lines += ["", "![importance-weight variance](is_variance.png)", ""]
+    return "\n".join(lines)
+
+
+def _iv(d: dict[str, Any]) -> str:
+    half = d["half_width"]
+    return f"{d['mean']:.3g}" + ("" if half is None else f" ± {half:.2g}")

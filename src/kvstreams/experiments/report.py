@@ -1,0 +1,224 @@
+"""What an experiment writes: ``results.json`` (every run), ``results.md`` (tables of mean ± 95% CI
+per arm, one per group) and PNG plots of the eval-reward curves.
+
+Arms of the same seed share their starting model, so differences to the reference arm are taken
+per seed (paired) before the interval is computed.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from kvstreams.atomic import write_json
+from kvstreams.experiments.spec import Arm, ExperimentSpec
+from kvstreams.experiments.stats import Interval, mean_interval
+
+REWARD = "eval/reward_mean"
+
+
+def by_arm(results: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in sorted(results, key=lambda r: (r["arm"], r["seed"])):
+        out[r["arm"]].append(r)
+    return out
+
+
+def _interval(values: list[float | None]) -> Interval | None:
+    xs = [v for v in values if v is not None]
+    return mean_interval(xs) if xs else None
+
+
+def time_to_target(run: dict[str, Any], target: float) -> dict[str, float] | None:
+    """Wall-clock seconds and tokens forwarded until the eval reward first reaches ``target``."""
+    for point in run["curve"]:
+        if point.get(REWARD, -1.0) >= target:
+            return {"seconds": point["seconds"], "tokens": point["tokens"], "step": point["step"]}
+    return None
+
+
+def arm_summary(spec: ExperimentSpec, runs: list[dict[str, Any]], reference: list[dict[str, Any]] | None):
+    """The figures of one arm over its seeds (each an :class:`Interval` as a dict, or None)."""
+    row: dict[str, Any] = {"seeds": [r["seed"] for r in runs]}
+    for key in (REWARD, "eval/reward_greedy"):
+        iv = _interval([r["final"].get(key) for r in runs])
+        row[f"final {key}"] = iv.as_dict() if iv else None
+    gain = _interval([_gain(r) for r in runs])
+    row["gain"] = gain.as_dict() if gain else None
+    for key in sorted({k for r in runs for k in r["means"]}):
+        iv = _interval([r["means"].get(key) for r in runs])
+        row[key] = iv.as_dict() if iv else None
+    row["minutes"] = mean_interval([r["seconds"] / 60 for r in runs]).as_dict()
+    for name in sorted({k for r in runs for k in r["evals"]}):
+        for key in sorted({k for r in runs for k in r["evals"].get(name, {})}):
+            iv = _interval([r["evals"].get(name, {}).get(key) for r in runs])
+            row[f"{name}: {key}"] = iv.as_dict() if iv else None
+    if reference is not None:
+        ref = {r["seed"]: r for r in reference}
+        diff = _interval([_diff(r, ref.get(r["seed"])) for r in runs])
+        row["final vs reference (paired)"] = diff.as_dict() if diff else None
+    if spec.target_reward is not None:
+        row.update(_speed(runs, spec.target_reward, reference))
+    return row
+
+
+def _gain(run: dict[str, Any]) -> float | None:
+    a, b = run["start"].get(REWARD), run["final"].get(REWARD)
+    return None if a is None or b is None else b - a
+
+
+def _diff(run: dict[str, Any], ref: dict[str, Any] | None) -> float | None:
+    if ref is None or REWARD not in run["final"] or REWARD not in ref["final"]:
+        return None
+    return run["final"][REWARD] - ref["final"][REWARD]
+
+
+def _speed(runs, target: float, reference) -> dict[str, Any]:
+    """Time and tokens to the target reward, and their ratios to the reference arm's (paired)."""
+    hits = [time_to_target(r, target) for r in runs]
+    out: dict[str, Any] = {"reached target": f"{sum(h is not None for h in hits)}/{len(hits)}"}
+    for unit in ("seconds", "tokens"):
+        iv = _interval([h[unit] if h else None for h in hits])
+        out[f"{unit} to target"] = iv.as_dict() if iv else None
+    if reference is not None:
+        ref = {r["seed"]: time_to_target(r, target) for r in reference}
+        for unit in ("seconds", "tokens"):
+            ratios = [
+                h[unit] / ref[r["seed"]][unit] if h and ref.get(r["seed"]) else None
+                for h, r in zip(hits, runs, strict=True)
+            ]
+            iv = _interval(ratios)
+            out[f"{unit} to target / reference"] = iv.as_dict() if iv else None
+    return out
+
+
+def summarise(spec: ExperimentSpec, arms: list[Arm], results: list[dict[str, Any]]) -> dict[str, Any]:
+    runs = by_arm(results)
+    reference = runs.get(spec.reference_arm) if spec.reference_arm else None
+    return {a.name: arm_summary(spec, runs[a.name], reference) for a in arms if runs.get(a.name)}
+
+
+# The table's columns, in order, when present (everything is in results.json).
+COLUMNS = (
+    f"final {REWARD}",
+    "final eval/reward_greedy",
+    "gain",
+    "final vs reference (paired)",
+    "reached target",
+    "seconds to target",
+    "seconds to target / reference",
+    "tokens to target / reference",
+    "mismatch/k3_kl",
+    "mismatch/abs_logprob_diff_max",
+    "correction/discarded_seq_frac",
+    "kv/saving",
+    "loss/distill",
+    "entropy/mean",
+    "minutes",
+)
+
+
+def _columns(rows: list[dict[str, Any]]) -> list[str]:
+    present = {k for row in rows for k in row}
+    evals = sorted(k for k in present if ": " in k)  # held-out evaluations ("NAME: figure")
+    return [c for c in COLUMNS if c in present and c != "minutes"] + evals + ["minutes"]
+
+
+def _cell(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, dict) and "mean" in value:
+        mean, half = value["mean"], value["half_width"]
+        fmt = ".2e" if 0 < abs(mean) < 1e-2 else f".{digits}f"
+        return f"{mean:{fmt}}" + ("" if half is None else f" ± {half:{fmt}}")
+    return str(value)
+
+
+def markdown(spec: ExperimentSpec, arms: list[Arm], summary: dict[str, Any], command: str) -> str:
+    lines = [f"# {spec.title}", "", f"Reproduces: {spec.source}", "", f"Question: {spec.question}", ""]
+    lines += [f"Command: `{command}`", "", "Figures: mean ± 95% t-interval over seeds (paired by seed).", ""]
+    for group in spec.groups(arms):
+        members = [a for a in arms if group in a.groups and a.name in summary]
+        if not members:
+            continue
+        columns = _columns([summary[a.name] for a in members])
+        lines += [f"## {group}", "", "| arm | seeds | " + " | ".join(columns) + " |"]
+        lines.append("|---" * (len(columns) + 2) + "|")
+        for a in members:
+            row = summary[a.name]
+            cells = [_cell(row.get(c)) for c in columns]
+            lines.append(f"| {a.label or a.name} | {len(row['seeds'])} | " + " | ".join(cells) + " |")
+        lines += ["", f"![{group}](reward_{group}.png)", ""]
+    return "\n".join(lines)
+
+
+def plot_curves(
+    spec: ExperimentSpec, arms: list[Arm], results: list[dict[str, Any]], out: Path
+) -> list[Path]:
+    """Per group: eval reward (mean and 95% band over seeds) against steps, and for speed experiments
+    against wall-clock seconds and tokens forwarded too."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = by_arm(results)
+    axes_x = ["step", "seconds", "tokens"] if spec.target_reward is not None else ["step"]
+    written = []
+    for group in spec.groups(arms):
+        members = [a for a in arms if group in a.groups and runs.get(a.name)]
+        if not members:
+            continue
+        fig, axes = plt.subplots(1, len(axes_x), figsize=(5.5 * len(axes_x), 3.8), squeeze=False)
+        for ax, x in zip(axes[0], axes_x, strict=True):
+            for a in members:
+                xs, means, lows, highs = _band(runs[a.name], x)
+                line = ax.plot(xs, means, marker="o", markersize=3, label=a.label or a.name)[0]
+                ax.fill_between(xs, lows, highs, color=line.get_color(), alpha=0.15)
+            if spec.target_reward is not None:
+                ax.axhline(spec.target_reward, color="grey", linestyle=":", linewidth=1)
+            ax.set_xlabel(
+                {"step": "step", "seconds": "wall-clock s (rollout + learner)", "tokens": "tokens forwarded"}[
+                    x
+                ]
+            )
+            ax.set_ylabel("eval reward (sampled)")
+            ax.grid(alpha=0.3)
+        axes[0][0].legend(fontsize=7)
+        fig.suptitle(f"{spec.name}: {group}", fontsize=10)
+        fig.tight_layout()
+        path = out / f"reward_{group}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def _band(runs: list[dict[str, Any]], x: str):
+    """Eval points shared by the arm's runs: mean x, mean reward and its 95% interval."""
+    per_step: dict[int, list[dict[str, float]]] = defaultdict(list)
+    for r in runs:
+        for p in r["curve"]:
+            if REWARD in p:
+                per_step[p["step"]].append(p)
+    xs, means, lows, highs = [], [], [], []
+    for step in sorted(per_step):
+        points = per_step[step]
+        iv = mean_interval([p[REWARD] for p in points])
+        xs.append(sum(p[x] for p in points) / len(points))
+        means.append(iv.mean)
+        lows.append(iv.low if iv.low is not None else iv.mean)
+        highs.append(iv.high if iv.high is not None else iv.mean)
+    return xs, means, lows, highs
+
+
+def write_report(
+    spec: ExperimentSpec, arms: list[Arm], results: list[dict[str, Any]], out: Path, command: str
+) -> dict:
+    summary = summarise(spec, arms, results)
+    payload = {"experiment": spec.name, "command": command, "summary": summary, "runs": results}
+    write_json(out / "results.json", payload)
+    (out / "results.md").write_text(markdown(spec, arms, summary, command))
+    payload["plots"] = [str(p) for p in plot_curves(spec, arms, results, out)]
+    return payload

@@ -1,0 +1,162 @@
+"""Running an experiment: its arms x seeds through ``kvstreams train``, resumably.
+
+Each run is ``kvstreams train`` itself (same code path, no experiment-only learner) in
+``OUT/runs/ARM/seed-S``; a finished run leaves ``result.json`` and is never redone, an interrupted
+one resumes from its last checkpoint. Runs go seed by seed (all arms of seed 0 first), so an
+experiment stopped early still holds paired comparisons.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from kvstreams.atomic import write_json
+from kvstreams.experiments.spec import Arm, ExperimentSpec
+from kvstreams.train.checkpoint import latest_checkpoint
+
+CURVE_KEYS = ("eval/reward_mean", "eval/reward_greedy", "reward/mean")
+MEAN_KEYS = (  # averaged over a run's steps
+    "mismatch/k3_kl",
+    "mismatch/abs_logprob_diff_max",
+    "mismatch/is_weight_std",
+    "correction/discarded_seq_frac",
+    "correction/kept_token_frac",
+    "kv/saving",
+    "loss/distill",
+    "entropy/mean",
+    "response/length_mean",
+)
+
+
+def warm_start(spec: ExperimentSpec, seed: int, models: Path, quick: bool, log) -> str:
+    """The starting model of every arm at ``seed``: a fixed directory, or a seeded tiny model + SFT
+    on the environment's expert (made once, reused by every arm and by reruns)."""
+    if spec.model is not None:
+        return spec.model
+    from kvstreams.models import make_tiny_model
+    from kvstreams.train.sft import sft
+
+    ws = spec.warm_start
+    assert ws is not None
+    out = models / f"seed-{seed}"
+    if (out / "sft" / "sft.json").is_file():
+        return str(out / "sft")
+    log(f"warm start, seed {seed}: tiny {ws.arch} model + SFT on the expert")
+    make_tiny_model(out / "base", arch=ws.arch, layers=ws.layers, hidden=ws.hidden, heads=ws.heads, seed=seed)
+    cfg = spec.arm_config(spec.arms[0], seed, str(out / "base"), out / "unused", quick)
+    cfg.sft.base, cfg.sft.out, cfg.sft.seed = str(out / "base"), str(out / "sft"), seed
+    if quick and spec.quick.sft_steps:
+        cfg.sft.steps = spec.quick.sft_steps
+    if ws.env_args is not None:
+        cfg.rollout.env_args = dict(ws.env_args)
+    summary = sft(cfg, show_progress=False)
+    log(f"  SFT loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}")
+    return str(out / "sft")
+
+
+def run_one(spec: ExperimentSpec, arm: Arm, seed: int, model: str, out: Path, quick: bool) -> dict[str, Any]:
+    """Train one arm at one seed, evaluate it on the spec's held-out evaluations, summarise."""
+    from kvstreams.train.loop import train
+
+    cfg = spec.arm_config(arm, seed, model, out, quick)
+    resume = latest_checkpoint(out / "checkpoints") is not None
+    t0 = time.perf_counter()
+    summary = train(cfg, resume=resume, show_progress=False)
+    seconds = time.perf_counter() - t0
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    extra = {e.name: _evaluate(spec, arm, seed, model, out, quick, e) for e in spec.evals}
+    return {
+        "arm": arm.name,
+        "seed": seed,
+        "seconds": seconds,
+        "final": (summary.get("eval_after") or {}),
+        "start": (summary.get("eval_before") or {}),
+        "means": {k: _mean(rows, k) for k in MEAN_KEYS if any(k in r for r in rows)},
+        "curve": _curve(rows),
+        "tokens_forwarded": summary["tokens_forwarded"],
+        "evals": extra,
+    }
+
+
+def _curve(rows: list[dict[str, Any]]) -> list[dict[str, float]]:
+    """Per step: the rewards logged, and the wall-clock seconds and tokens forwarded so far."""
+    curve, seconds, tokens = [], 0.0, 0.0
+    for r in rows:
+        seconds += r.get("time/step_seconds", 0.0)
+        tokens += r.get("tokens/forwarded", 0.0)
+        point = {"step": r["step"], "seconds": seconds, "tokens": tokens}
+        point.update({k: r[k] for k in CURVE_KEYS if k in r})
+        curve.append(point)
+    return curve
+
+
+def _mean(rows: list[dict[str, Any]], key: str) -> float:
+    values = [r[key] for r in rows if key in r]
+    return sum(values) / len(values)
+
+
+def _evaluate(spec, arm, seed, model, out, quick, evaluation) -> dict[str, float]:
+    """The trained weights (the run's last checkpoint) on a held-out evaluation of the spec."""
+    from safetensors.torch import load_model as load_weights
+
+    from kvstreams.experiments.measures import measure
+    from kvstreams.models import load_model
+    from kvstreams.train.config import set_dotted, validate_config
+    from kvstreams.train.rollouts import RolloutSource
+
+    data = spec.arm_config(arm, seed, model, out, quick).model_dump(exclude_none=True)
+    for key, value in evaluation.set.items():
+        set_dotted(data, key, value)
+    cfg = validate_config(data)
+    weights, tokenizer = load_model(cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device)
+    load_weights(weights, str(latest_checkpoint(out / "checkpoints") / "model.safetensors"))
+    n = evaluation.episodes or cfg.train.eval_episodes
+    source = RolloutSource(weights, tokenizer, cfg, version=cfg.train.steps)
+    result = {
+        "eval/reward_mean": source.evaluate(n, greedy=False),
+        "eval/reward_greedy": source.evaluate(n, greedy=True),
+    }
+    result.update(measure(evaluation.measure, source, n) if evaluation.measure else {})
+    return result
+
+
+def run_experiment(
+    spec: ExperimentSpec, out: Path, quick: bool = False, seeds: int | None = None
+) -> list[dict[str, Any]]:
+    """Every arm x seed of ``spec`` under ``out``; returns the runs' results (finished ones reused)."""
+    n_seeds = seeds or (spec.quick.seeds if quick else spec.seeds)
+    arms = spec.arms_to_run(quick)
+    plan = [(arm, seed) for seed in range(n_seeds) for arm in arms]
+    results = []
+    started = time.perf_counter()
+    for i, (arm, seed) in enumerate(plan):
+        run_dir = out / "runs" / arm.name / f"seed-{seed}"
+        done = run_dir / "result.json"
+        if done.is_file():
+            results.append(json.loads(done.read_text()))
+            continue
+        model = warm_start(spec, seed, out / "models", quick, _log)
+        _log(f"[{i + 1}/{len(plan)}] {spec.name}: {arm.label or arm.name}, seed {seed}")
+        result = run_one(spec, arm, seed, model, run_dir, quick)
+        write_json(done, result)
+        results.append(result)
+        final = result["final"].get("eval/reward_mean")
+        start = result["start"].get("eval/reward_mean")
+        elapsed = time.perf_counter() - started
+        _log(
+            f"  eval reward {_fmt(start)} -> {_fmt(final)} in {result['seconds']:.0f} s "
+            f"({elapsed / 60:.1f} min so far)"
+        )
+    return results
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)

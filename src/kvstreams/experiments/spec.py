@@ -1,0 +1,175 @@
+"""Experiment specifications: ``configs/experiments/NAME.toml``.
+
+An experiment is a set of *arms* (train configs that differ by a few keys) run over seeds. The file
+holds a ``[base]`` train config (the schema of ``kvstreams train``), one ``[[arms]]`` table per arm
+with its dotted overrides, how the starting model is made (``[warm_start]``: a seeded tiny model
+plus SFT on the environment's expert, or a fixed ``model`` directory), optional held-out
+``[[evals]]`` after training, and a ``[quick]`` table that shrinks everything for CI. Every arm's
+config is validated when the file loads, so a typo is one line before any run starts.
+"""
+
+from __future__ import annotations
+
+import copy
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from kvstreams.errors import KVStreamsError
+from kvstreams.train.config import Config, set_dotted, validate_config
+
+
+class _Table(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class Arm(_Table):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.+-]+$", description="directory name of the arm's runs")
+    label: str = Field("", description="what tables and plots call it (default: name)")
+    set: dict[str, Any] = Field(default_factory=dict, description="dotted overrides of [base]")
+    groups: list[str] = Field(
+        default_factory=lambda: ["main"], description="the tables (and plots) the arm appears in"
+    )
+
+
+class WarmStart(_Table):
+    """A tiny random model seeded with the run's seed, then SFT on the environment's expert (the
+    ``[sft]`` section of the arm's config). Shared by all arms of a seed: arms are compared paired."""
+
+    arch: str = "qwen3"
+    layers: int = Field(4, ge=1)
+    hidden: int = Field(128, ge=8)
+    heads: int = Field(4, ge=1)
+    env_args: dict[str, Any] | None = Field(
+        None, description="environment options for the demonstrations (default: the rollout's)"
+    )
+
+
+class Evaluation(_Table):
+    """A held-out evaluation after training, with its own rollout overrides (e.g. a harder game)."""
+
+    name: str
+    set: dict[str, Any] = Field(default_factory=dict)
+    episodes: int | None = Field(None, ge=1, description="default: train.eval_episodes")
+    measure: str | None = Field(None, description="an extra measurement (experiments/measures.py)")
+
+
+class Quick(_Table):
+    """``--quick``: overrides that make the whole experiment finish in minutes (CI)."""
+
+    seeds: int = Field(1, ge=1)
+    arms: list[str] | None = Field(None, description="the arms to run (default: all)")
+    set: dict[str, Any] = Field(default_factory=dict, description="dotted overrides of every arm")
+    sft_steps: int | None = Field(None, ge=1)
+
+
+class Probe(_Table):
+    """``kind = "is_variance"``: the importance-weight probe (no training)."""
+
+    lengths: list[int] = Field(default_factory=lambda: [16, 32, 64, 128])
+    episodes: int = Field(32, ge=2)
+    real_model: bool = Field(True, description="also SmolLM2-135M when it has been converted")
+
+
+class ExperimentSpec(_Table):
+    name: str
+    title: str
+    source: str = Field(description="the paper result it reproduces, cited")
+    question: str = Field(description="what the experiment answers")
+    kind: Literal["train", "is_variance"] = "train"
+    seeds: int = Field(3, ge=1)
+    model: str | None = Field(None, description="an existing model directory for every run")
+    warm_start: WarmStart | None = None
+    base: dict[str, Any] = Field(default_factory=dict)
+    arms: list[Arm] = Field(default_factory=list)
+    evals: list[Evaluation] = Field(default_factory=list)
+    quick: Quick = Field(default_factory=Quick)
+    target_reward: float | None = Field(
+        None, description="eval reward whose first crossing gives time-to-target (compaction-speed)"
+    )
+    reference_arm: str | None = Field(None, description="the arm others are compared with, per seed")
+    probe: Probe = Field(default_factory=Probe)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ExperimentSpec:
+        names = [a.name for a in self.arms]
+        if len(set(names)) != len(names):
+            raise ValueError(f"arm names repeat: {names}")
+        if self.kind == "train" and not self.arms:
+            raise ValueError("a training experiment needs at least one [[arms]]")
+        if self.kind == "train" and (self.model is None) == (self.warm_start is None):
+            raise ValueError("give exactly one of model (a directory) and [warm_start]")
+        if self.reference_arm is not None and self.reference_arm not in names:
+            raise ValueError(f"reference_arm {self.reference_arm!r} is not an arm")
+        unknown = set(self.quick.arms or []) - set(names)
+        if unknown:
+            raise ValueError(f"quick.arms names unknown arms: {sorted(unknown)}")
+        return self
+
+    def arms_to_run(self, quick: bool) -> list[Arm]:
+        if quick and self.quick.arms:
+            return [a for a in self.arms if a.name in self.quick.arms]
+        return list(self.arms)
+
+    def groups(self, arms: list[Arm]) -> list[str]:
+        return list(dict.fromkeys(g for a in arms for g in a.groups))
+
+    def arm_config(self, arm: Arm, seed: int, model: str, out_dir: Path, quick: bool) -> Config:
+        """The train config of one run: base, then the arm's overrides, then --quick's, then what the
+        runner owns (model, seed, output directory)."""
+        data = copy.deepcopy(self.base)
+        for key, value in arm.set.items():
+            set_dotted(data, key, copy.deepcopy(value))
+        if quick:
+            for key, value in self.quick.set.items():
+                set_dotted(data, key, copy.deepcopy(value))
+        set_dotted(data, "model.path", model)
+        set_dotted(data, "train.seed", seed)
+        set_dotted(data, "train.out_dir", str(out_dir))
+        set_dotted(data, "train.tensorboard", False)
+        try:
+            return validate_config(data)
+        except KVStreamsError as err:
+            raise KVStreamsError(f"experiment {self.name!r}, arm {arm.name!r}: {err}") from None
+
+
+EXPERIMENTS_DIR = "configs/experiments"
+
+
+def experiments_dir() -> Path:
+    """``configs/experiments`` of the working directory, else of the source checkout."""
+    here = Path.cwd() / EXPERIMENTS_DIR
+    if here.is_dir():
+        return here
+    return Path(__file__).resolve().parents[3] / EXPERIMENTS_DIR
+
+
+def available() -> list[str]:
+    d = experiments_dir()
+    return sorted(p.stem for p in d.glob("*.toml")) if d.is_dir() else []
+
+
+def load_spec(name_or_path: str) -> ExperimentSpec:
+    """An experiment by name (``configs/experiments/NAME.toml``) or by path; every arm's config is
+    validated here (with a placeholder model path: the runner supplies the real one)."""
+    path = Path(name_or_path)
+    if not (path.suffix == ".toml" and path.is_file()):
+        path = experiments_dir() / f"{name_or_path}.toml"
+        if not path.is_file():
+            raise KVStreamsError(
+                f"unknown experiment {name_or_path!r}; choose one of {', '.join(available()) or '(none found)'}"
+            )
+    try:
+        spec = ExperimentSpec.model_validate(tomllib.loads(path.read_text()))
+    except tomllib.TOMLDecodeError as err:
+        raise KVStreamsError(f"{path}: invalid TOML: {err}") from None
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        raise KVStreamsError(f"{path}: {where}: {first['msg'].removeprefix('Value error, ')}") from None
+    for arm in spec.arms:
+        for quick in (False, True):
+            spec.arm_config(arm, 0, spec.model or "(warm start)", Path("(run)"), quick)
+    return spec

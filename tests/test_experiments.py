@@ -1,0 +1,233 @@
+"""``kvstreams experiment``: specs, statistics, the runner's resumability, the report, the probes."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from kvstreams.cli import main
+from kvstreams.envs import make_env
+from kvstreams.errors import KVStreamsError
+from kvstreams.experiments import available, load_spec
+from kvstreams.experiments.is_variance import sequence_log_weights, weight_figures
+from kvstreams.experiments.measures import visible_before_last_reply
+from kvstreams.experiments.report import summarise, time_to_target
+from kvstreams.experiments.spec import ExperimentSpec
+from kvstreams.experiments.stats import mean_interval
+from kvstreams.trace import Trace
+
+# --- statistics ---------------------------------------------------------------------------------------
+
+
+def test_mean_interval_is_the_student_t_interval():
+    iv = mean_interval([1.0, 2.0, 3.0])  # s = 1, t(0.975, 2) = 4.303
+    assert iv.mean == 2.0 and iv.n == 3
+    assert iv.half_width == pytest.approx(4.303 / math.sqrt(3), rel=1e-6)
+    assert (iv.low, iv.high) == pytest.approx((2 - 4.303 / math.sqrt(3), 2 + 4.303 / math.sqrt(3)))
+    one = mean_interval([0.5])
+    assert one.half_width is None and one.low is None and "1 seed" in one.text()
+    assert mean_interval([0.25] * 40).half_width == 0.0  # df > 30: the normal quantile, times s = 0
+
+
+# --- specs --------------------------------------------------------------------------------------------
+
+
+def test_every_shipped_experiment_loads_and_validates_each_arm():
+    names = available()
+    assert {"smd-table", "compaction-speed", "recurrence-from-rl", "unseen-games", "is-variance"} <= set(
+        names
+    )
+    for name in names:
+        spec = load_spec(name)
+        assert spec.name == name and spec.source and spec.question
+
+
+def _spec(**changes) -> dict:
+    data = {
+        "name": "t",
+        "title": "t",
+        "source": "s",
+        "question": "q",
+        "model": "m",
+        "base": {"rollout": {"env": "recall"}},
+        "arms": [{"name": "a"}, {"name": "b", "set": {"optim.lr": 1e-3}}],
+    }
+    data.update(changes)
+    return data
+
+
+def test_a_bad_arm_is_one_line_naming_the_arm(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text(
+        'name = "bad"\ntitle = "t"\nsource = "s"\nquestion = "q"\nmodel = "m"\n'
+        '[[arms]]\nname = "ok"\n[[arms]]\nname = "typo"\nset = { "optim.lrr" = 1e-3 }\n'
+    )
+    with pytest.raises(KVStreamsError, match=r"arm 'typo'.*optim\.lrr"):
+        load_spec(str(path))
+    with pytest.raises(KVStreamsError, match="unknown experiment 'nope'"):
+        load_spec("nope")
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"arms": [{"name": "a"}, {"name": "a"}]}, "repeat"),
+        ({"reference_arm": "zzz"}, "reference_arm"),
+        ({"quick": {"arms": ["zzz"]}}, "unknown arms"),
+        ({"warm_start": {"arch": "qwen3"}}, "exactly one of model"),
+    ],
+)
+def test_inconsistent_specs_are_refused(changes, message):
+    with pytest.raises(ValueError, match=message):
+        ExperimentSpec.model_validate(_spec(**changes))
+
+
+def test_arm_overrides_apply_in_order_and_quick_comes_last(tmp_path):
+    spec = ExperimentSpec.model_validate(_spec(quick={"set": {"optim.lr": 7e-4, "train.steps": 2}}))
+    a, b = spec.arms
+    assert spec.arm_config(a, 1, "m", tmp_path, quick=False).optim.lr == 2e-4  # the default
+    assert spec.arm_config(b, 1, "m", tmp_path, quick=False).optim.lr == 1e-3
+    cfg = spec.arm_config(b, 1, "m", tmp_path, quick=True)
+    assert (cfg.optim.lr, cfg.train.steps, cfg.train.seed, cfg.train.out_dir) == (7e-4, 2, 1, str(tmp_path))
+
+
+# --- report -------------------------------------------------------------------------------------------
+
+
+def _run(arm: str, seed: int, start: float, end: float, seconds: float) -> dict:
+    curve = [
+        {"step": 0, "seconds": 0.0, "tokens": 0.0, "eval/reward_mean": start},
+        {"step": 1, "seconds": seconds, "tokens": 100.0, "eval/reward_mean": (start + end) / 2},
+        {"step": 2, "seconds": 2 * seconds, "tokens": 200.0, "eval/reward_mean": end},
+    ]
+    return {
+        "arm": arm,
+        "seed": seed,
+        "seconds": 2 * seconds,
+        "start": {"eval/reward_mean": start},
+        "final": {"eval/reward_mean": end},
+        "means": {},
+        "curve": curve,
+        "tokens_forwarded": 200.0,
+        "evals": {},
+    }
+
+
+def test_time_to_target_is_the_first_crossing():
+    run = _run("a", 0, 0.2, 0.8, seconds=10.0)
+    assert time_to_target(run, 0.5) == {"seconds": 10.0, "tokens": 100.0, "step": 1}
+    assert time_to_target(run, 0.8)["step"] == 2
+    assert time_to_target(run, 0.9) is None
+
+
+def test_comparisons_to_the_reference_are_paired_by_seed():
+    spec = ExperimentSpec.model_validate(_spec(reference_arm="a", target_reward=0.5))
+    results = [
+        _run("a", 0, 0.2, 0.6, 10.0),
+        _run("a", 1, 0.4, 0.8, 10.0),
+        _run("b", 0, 0.2, 0.8, 5.0),
+        _run("b", 1, 0.4, 1.0, 5.0),
+    ]
+    summary = summarise(spec, spec.arms, results)
+    diff = summary["b"]["final vs reference (paired)"]  # 0.2 on both seeds, whatever the seeds' levels
+    assert diff["mean"] == pytest.approx(0.2) and diff["half_width"] == pytest.approx(0.0, abs=1e-12)
+    assert summary["b"]["gain"]["mean"] == pytest.approx(0.6)
+    # seed 0: b reaches 0.5 at step 1 (5 s) where a needs step 2 (20 s); seed 1: both at step 1 (5 s, 10 s)
+    ratio = summary["b"]["seconds to target / reference"]
+    assert ratio["mean"] == pytest.approx((5 / 20 + 5 / 10) / 2)
+    assert summary["b"]["reached target"] == "2/2"
+
+
+# --- the runner, through the command line --------------------------------------------------------------
+
+
+def test_smd_table_quick_runs_resumes_and_reports(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "smd"
+    assert main(["experiment", "smd-table", "--quick", "--out", str(out)]) == 0
+    payload = json.loads((out / "results.json").read_text())
+    runs = {r["arm"]: r for r in payload["runs"]}
+    assert set(runs) == {"shadow", "naive"}
+    # what the table reports is measured: the shadow learner replays the sampler, the naive one does not
+    assert runs["shadow"]["means"]["mismatch/k3_kl"] < 1e-8
+    assert runs["naive"]["means"]["mismatch/k3_kl"] > 1e-3
+    assert 0.2 < runs["shadow"]["means"]["kv/saving"] < 0.6  # SnapKV dropping 50%
+    assert (out / "reward_main.png").stat().st_size > 0
+    assert "naive (GRPO w/ SnapKV)" in (out / "results.md").read_text()
+    # a rerun reuses every finished run and the warm start: nothing is trained again
+    import kvstreams.train.loop as loop
+    import kvstreams.train.sft as sft
+
+    monkeypatch.setattr(loop, "train", lambda *a, **k: pytest.fail("a finished run was redone"))
+    monkeypatch.setattr(sft, "sft", lambda *a, **k: pytest.fail("the warm start was redone"))
+    assert main(["experiment", "smd-table", "--quick", "--out", str(out)]) == 0
+    assert json.loads((out / "results.json").read_text())["runs"] == payload["runs"]
+
+
+# --- is-variance ----------------------------------------------------------------------------------------
+
+
+def _trace(sampler: list[float], sampled: list[bool], death: torch.Tensor | None = None) -> Trace:
+    T = len(sampled)
+    return Trace(
+        tokens=torch.arange(T),
+        positions=torch.arange(T),
+        death=torch.full((1, 1, T), T) if death is None else death,
+        sampled_mask=torch.tensor(sampled),
+        loss_mask=torch.tensor(sampled),
+        sampler_logprobs=torch.tensor(sampler),
+        metadata={"temperature": "1.0"},
+    )
+
+
+def test_sequence_log_weights_sum_the_first_length_sampled_tokens():
+    trace = _trace([math.nan, -1.0, -2.0, -3.0], [False, True, True, True])
+    learner = torch.tensor([0.0, -1.5, -1.0, 0.0])
+    log_w = sequence_log_weights([trace], [learner], 2)
+    assert log_w.tolist() == pytest.approx([(-1.5 + 1.0) + (-1.0 + 2.0)])
+    assert math.isnan(sequence_log_weights([trace], [learner], 4)[0])  # too short: left out
+    figures = weight_figures(torch.tensor([0.0, math.log(3.0), math.nan], dtype=torch.float64))
+    assert figures["n"] == 2 and figures["ess_frac"] == pytest.approx(16 / (2 * 10))
+
+
+def test_is_variance_quick_dense_weights_vary_and_shadow_weights_are_one(tmp_path):
+    out = tmp_path / "isv"
+    assert main(["experiment", "is-variance", "--quick", "--out", str(out)]) == 0
+    summary = json.loads((out / "results.json").read_text())["summary"]["tiny"]
+    for length in summary["dense"]:
+        assert summary["shadow"][length]["var_log_w"]["mean"] < 1e-9
+        assert summary["dense"][length]["var_log_w"]["mean"] > 1e-2
+        assert summary["shadow"][length]["ess_frac"]["mean"] == pytest.approx(1.0)
+    assert (out / "is_variance.png").stat().st_size > 0
+
+
+# --- recurrence-from-rl and unseen-games pieces -----------------------------------------------------------
+
+
+def test_visible_before_last_reply_is_what_the_final_answer_was_sampled_from():
+    # tokens 0-1 prompt, 2 reply, 3-4 observation, 5-6 the last reply; entry 1 dies at query 3
+    death = torch.tensor([[[7, 3, 7, 7, 7, 7, 7]]])
+    trace = _trace([math.nan] * 7, [False, False, True, False, False, True, True], death)
+    assert visible_before_last_reply(trace).tolist() == [0, 2, 3, 4]
+
+
+def test_format_only_expert_answers_right_without_carrying_state():
+    env = make_env("memory", n_turns=3, n_facts=2, expert_carries_state=False)
+    env.reset(5)
+    replies, reward, done = [], 0.0, False
+    while not done:
+        replies.append(env.expert_reply())
+        _, reward, done, _ = env.step(replies[-1])
+    assert all("<state></state>" in r for r in replies)
+    assert reward == 1.0
+    assert env.state_text() in replies[-1]
+
+
+def test_textworld_game_set_cycles_training_games_and_evaluation_never_plays_them():
+    env = make_env("textworld", game_set=4)
+    assert [env.game_seed(s) for s in (0, 3, 4, 9)] == [0, 3, 0, 1]
+    held = env.held_out()
+    assert held.game_set == 0 and held.game_seed(1_000_003) == 1_000_003
+    assert make_env("textworld").game_seed(9) == 9
