@@ -231,3 +231,37 @@ def test_textworld_game_set_cycles_training_games_and_evaluation_never_plays_the
     held = env.held_out()
     assert held.game_set == 0 and held.game_seed(1_000_003) == 1_000_003
     assert make_env("textworld").game_seed(9) == 9
+
+
+def _runs(out) -> dict[str, dict]:
+    return {r["arm"]: r for r in json.loads((out / "results.json").read_text())["runs"]}
+
+
+def test_compaction_speed_quick_counts_what_each_mode_forwards(tmp_path):
+    out = tmp_path / "speed"
+    assert main(["experiment", "compaction-speed", "--quick", "--out", str(out)]) == 0
+    runs = _runs(out)
+    stream, reprefill = runs["stream-markovian"], runs["reprefill-markovian"]
+    # the same episodes (same seeds, same start): re-prefill forwards the retained context again
+    assert reprefill["tokens_forwarded"] > 1.2 * stream["tokens_forwarded"]
+    assert stream["means"]["kv/saving"] > 0  # compaction happened in the quick setting too
+    assert stream["curve"][-1]["seconds"] > 0 and stream["curve"][-1]["tokens"] == stream["tokens_forwarded"]
+    assert (out / "reward_main.png").is_file()
+
+
+def test_recurrence_quick_measures_fact_survival_under_compaction(tmp_path):
+    out = tmp_path / "recurrence"
+    assert main(["experiment", "recurrence-from-rl", "--quick", "--out", str(out)]) == 0
+    runs = _runs(out)
+    assert runs["no-compaction"]["means"]["kv/saving"] == 0.0
+    assert runs["markovian"]["means"]["kv/saving"] > 0.0
+    for run in runs.values():
+        assert 0.0 <= run["evals"]["under compaction"]["fact_survival"] <= 1.0
+
+
+def test_unseen_games_quick_evaluates_the_harder_family(tmp_path):
+    out = tmp_path / "unseen"
+    assert main(["experiment", "unseen-games", "--quick", "--out", str(out)]) == 0
+    run = _runs(out)["stream-markovian"]
+    assert 0.0 <= run["evals"]["harder family"]["eval/reward_mean"] <= 1.0
+    assert "harder family: eval/reward_mean" in (out / "results.md").read_text()
