@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 DEMO := runs/demo
 STAMP := $(VENV)/.kvstreams-installed
 
-.PHONY: install demo verify bench bench-quick bench-real kvpress-env real-model verify-real gpu-check test test-slow test-all lint clean
+.PHONY: install demo verify experiments experiments-quick bench bench-quick bench-real kvpress-env real-model verify-real gpu-check test test-slow test-all lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -53,6 +53,15 @@ kvpress-env:
 	test -x $(KVPRESS_VENV)/bin/python || $(PYTHON) -m venv $(KVPRESS_VENV)
 	$(KVPRESS_VENV)/bin/python -m pip install --quiet "$(TORCH_SPEC)"
 	$(KVPRESS_VENV)/bin/python -m pip install --quiet kvpress "transformers<5.3"
+
+# The papers' training results (docs/results.md): every experiment's full setting, resumable.
+EXPERIMENTS := smd-table is-variance recurrence-from-rl compaction-speed unseen-games distill-collapse
+
+experiments: $(STAMP)
+	for e in $(EXPERIMENTS); do $(BIN)/kvstreams experiment $$e || exit 1; done
+
+experiments-quick: $(STAMP)
+	for e in $(EXPERIMENTS); do $(BIN)/kvstreams experiment $$e --quick || exit 1; done
 
 # The same commands at toy sizes (under 2 minutes): keeps them working in CI; figures not meaningful.
 bench-quick: $(STAMP)

@@ -265,3 +265,15 @@ def test_unseen_games_quick_evaluates_the_harder_family(tmp_path):
     run = _runs(out)["stream-markovian"]
     assert 0.0 <= run["evals"]["harder family"]["eval/reward_mean"] <= 1.0
     assert "harder family: eval/reward_mean" in (out / "results.md").read_text()
+
+
+def test_command_line_overrides_reach_every_arm_and_bad_ones_stop_before_any_run(tmp_path):
+    spec = load_spec("smd-table", {"optim.lr": 3e-5, "model.device": "cpu"})
+    for arm in spec.arms:
+        assert spec.arm_config(arm, 0, "m", tmp_path, quick=False).optim.lr == 3e-5
+    assert main(["experiment", "smd-table", "--quick", "--device", "tpu", "--out", str(tmp_path / "x")]) == 2
+    assert (
+        main(["experiment", "smd-table", "--quick", "--set", "optim.lrr=1", "--out", str(tmp_path / "x")])
+        == 2
+    )
+    assert not (tmp_path / "x" / "runs").exists()

@@ -288,6 +288,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="tiny settings that finish in minutes (CI)")
     p.add_argument("--seeds", type=_positive(int), default=None, help="seeds per arm (default: the spec's)")
     p.add_argument("--out", default=None, help="default: runs/experiments/NAME[-quick]; reruns resume")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override every arm, e.g. optim.lr=1e-4",
+    )
+    p.add_argument(
+        "--device", default=None, help="model.device of every run (e.g. cuda); default: the spec's"
+    )
     return parser
 
 
@@ -789,12 +799,25 @@ def cmd_experiment(args) -> int:
             spec = experiments.load_spec(name)
             print(f"{name:22s} {spec.title}")
         return 0
-    spec = experiments.load_spec(args.name)
+    from kvstreams.train.config import parse_value
+
+    overrides = {}
+    for item in args.set:
+        if "=" not in item:
+            raise KVStreamsError(f"--set takes key=value, got {item!r}")
+        key, raw = item.split("=", 1)
+        overrides[key.strip()] = parse_value(raw.strip())
+    if args.device:
+        overrides["model.device"] = args.device
+    spec = experiments.load_spec(args.name, overrides)
     out = Path(args.out) if args.out else experiments.default_out(spec, args.quick)
     _check_out(out)
     _quiet_transformers()
     command = f"kvstreams experiment {args.name}" + " --quick" * args.quick
     command += f" --seeds {args.seeds}" if args.seeds else ""
+    command += "".join(f" --set {item}" for item in args.set) + (
+        f" --device {args.device}" if args.device else ""
+    )
     payload = experiments.run(spec, out, quick=args.quick, seeds=args.seeds, command=command)
     print((out / "results.md").read_text())
     print(f"results: {out / 'results.json'}; plots: {', '.join(payload['plots'])}")

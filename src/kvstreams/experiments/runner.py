@@ -9,6 +9,7 @@ experiment stopped early still holds paired comparisons.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -26,7 +27,9 @@ MEAN_KEYS = (  # averaged over a run's steps
     "correction/discarded_seq_frac",
     "correction/kept_token_frac",
     "kv/saving",
+    "loss/pg",
     "loss/distill",
+    "grad/norm",
     "entropy/mean",
     "response/length_mean",
 )
@@ -37,14 +40,24 @@ def warm_start(spec: ExperimentSpec, seed: int, models: Path, quick: bool, log) 
     on the environment's expert (made once, reused by every arm and by reruns)."""
     if spec.model is not None:
         return spec.model
-    from kvstreams.models import make_tiny_model
-    from kvstreams.train.sft import sft
-
     ws = spec.warm_start
     assert ws is not None
     out = models / f"seed-{seed}"
+    while not (out / "sft" / "sft.json").is_file() and not claim(out):
+        time.sleep(5)  # another process is making this warm start
     if (out / "sft" / "sft.json").is_file():
+        release(out)
         return str(out / "sft")
+    try:
+        return _make_warm_start(spec, ws, seed, out, quick, log)
+    finally:
+        release(out)
+
+
+def _make_warm_start(spec: ExperimentSpec, ws, seed: int, out: Path, quick: bool, log) -> str:
+    from kvstreams.models import make_tiny_model
+    from kvstreams.train.sft import sft
+
     log(f"warm start, seed {seed}: tiny {ws.arch} model + SFT on the expert")
     make_tiny_model(out / "base", arch=ws.arch, layers=ws.layers, hidden=ws.hidden, heads=ws.heads, seed=seed)
     cfg = spec.arm_config(spec.arms[0], seed, str(out / "base"), out / "unused", quick)
@@ -124,26 +137,41 @@ def _evaluate(spec, arm, seed, model, out, quick, evaluation) -> dict[str, float
     return result
 
 
+def plan_runs(spec: ExperimentSpec, quick: bool, n_seeds: int) -> list[tuple[Arm, int]]:
+    """The order of the runs: the first group's arms over every seed (seed by seed), then the rest;
+    an experiment stopped early has its main comparison complete and paired."""
+    arms = spec.arms_to_run(quick)
+    first = spec.groups(arms)[0]
+    ordered = [a for a in arms if first in a.groups] + [a for a in arms if first not in a.groups]
+    head = [a for a in ordered if first in a.groups]
+    tail = ordered[len(head) :]
+    return [(a, s) for s in range(n_seeds) for a in head] + [(a, s) for s in range(n_seeds) for a in tail]
+
+
 def run_experiment(
     spec: ExperimentSpec, out: Path, quick: bool = False, seeds: int | None = None
 ) -> list[dict[str, Any]]:
-    """Every arm x seed of ``spec`` under ``out``; returns the runs' results (finished ones reused)."""
+    """Every arm x seed of ``spec`` under ``out``; returns the finished runs' results. Several
+    processes may work on one experiment: each run (and each warm start) is claimed with a lock file,
+    a run another live process holds is left to it, one whose holder died is taken over (it resumes
+    from its checkpoint). Rerun the command once they are all done for the complete report."""
     n_seeds = seeds or (spec.quick.seeds if quick else spec.seeds)
-    arms = spec.arms_to_run(quick)
-    plan = [(arm, seed) for seed in range(n_seeds) for arm in arms]
-    results = []
+    plan = plan_runs(spec, quick, n_seeds)
     started = time.perf_counter()
     for i, (arm, seed) in enumerate(plan):
         run_dir = out / "runs" / arm.name / f"seed-{seed}"
-        done = run_dir / "result.json"
-        if done.is_file():
-            results.append(json.loads(done.read_text()))
+        if (run_dir / "result.json").is_file() or not claim(run_dir):
             continue
-        model = warm_start(spec, seed, out / "models", quick, _log)
-        _log(f"[{i + 1}/{len(plan)}] {spec.name}: {arm.label or arm.name}, seed {seed}")
-        result = run_one(spec, arm, seed, model, run_dir, quick)
-        write_json(done, result)
-        results.append(result)
+        if (run_dir / "result.json").is_file():  # finished by another process while we looked
+            release(run_dir)
+            continue
+        try:
+            model = warm_start(spec, seed, out / "models", quick, _log)
+            _log(f"[{i + 1}/{len(plan)}] {spec.name}: {arm.label or arm.name}, seed {seed}")
+            result = run_one(spec, arm, seed, model, run_dir, quick)
+            write_json(run_dir / "result.json", result)
+        finally:
+            release(run_dir)
         final = result["final"].get("eval/reward_mean")
         start = result["start"].get("eval/reward_mean")
         elapsed = time.perf_counter() - started
@@ -151,7 +179,53 @@ def run_experiment(
             f"  eval reward {_fmt(start)} -> {_fmt(final)} in {result['seconds']:.0f} s "
             f"({elapsed / 60:.1f} min so far)"
         )
-    return results
+    return [
+        json.loads(done.read_text())
+        for arm, seed in plan
+        if (done := out / "runs" / arm.name / f"seed-{seed}" / "result.json").is_file()
+    ]
+
+
+LOCK = "running.lock"
+
+
+def claim(directory: Path) -> bool:
+    """Take ``directory`` for this process (a lock file holding its pid); False when another live
+    process holds it. A lock left by a dead process is taken over."""
+    directory.mkdir(parents=True, exist_ok=True)
+    lock = directory / LOCK
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            if _alive(lock):
+                return False
+            lock.unlink(missing_ok=True)  # its holder died: take the run over
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        return True
+    return False
+
+
+def release(directory: Path) -> None:
+    (directory / LOCK).unlink(missing_ok=True)
+
+
+def _alive(lock: Path) -> bool:
+    try:
+        pid = int(lock.read_text().strip() or "0")
+    except (OSError, ValueError):
+        return False
+    if pid == os.getpid():
+        return False  # our own stale lock (an earlier attempt in this process)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _fmt(x: float | None) -> str:

@@ -91,6 +91,9 @@ class ExperimentSpec(_Table):
     )
     reference_arm: str | None = Field(None, description="the arm others are compared with, per seed")
     probe: Probe = Field(default_factory=Probe)
+    overrides: dict[str, Any] = Field(
+        default_factory=dict, description="dotted overrides of every arm, applied last (--set, --device)"
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> ExperimentSpec:
@@ -125,6 +128,8 @@ class ExperimentSpec(_Table):
         if quick:
             for key, value in self.quick.set.items():
                 set_dotted(data, key, copy.deepcopy(value))
+        for key, value in self.overrides.items():
+            set_dotted(data, key, copy.deepcopy(value))
         set_dotted(data, "model.path", model)
         set_dotted(data, "train.seed", seed)
         set_dotted(data, "train.out_dir", str(out_dir))
@@ -151,9 +156,10 @@ def available() -> list[str]:
     return sorted(p.stem for p in d.glob("*.toml")) if d.is_dir() else []
 
 
-def load_spec(name_or_path: str) -> ExperimentSpec:
-    """An experiment by name (``configs/experiments/NAME.toml``) or by path; every arm's config is
-    validated here (with a placeholder model path: the runner supplies the real one)."""
+def load_spec(name_or_path: str, overrides: dict[str, Any] | None = None) -> ExperimentSpec:
+    """An experiment by name (``configs/experiments/NAME.toml``) or by path, with ``overrides`` of
+    every arm; every arm's config is validated here (with a placeholder model path: the runner
+    supplies the real one)."""
     path = Path(name_or_path)
     if not (path.suffix == ".toml" and path.is_file()):
         path = experiments_dir() / f"{name_or_path}.toml"
@@ -162,7 +168,10 @@ def load_spec(name_or_path: str) -> ExperimentSpec:
                 f"unknown experiment {name_or_path!r}; choose one of {', '.join(available()) or '(none found)'}"
             )
     try:
-        spec = ExperimentSpec.model_validate(tomllib.loads(path.read_text()))
+        data = tomllib.loads(path.read_text())
+        if overrides:
+            data["overrides"] = {**data.get("overrides", {}), **overrides}
+        spec = ExperimentSpec.model_validate(data)
     except tomllib.TOMLDecodeError as err:
         raise KVStreamsError(f"{path}: invalid TOML: {err}") from None
     except ValidationError as err:

@@ -36,6 +36,17 @@ class ModelSection(_Section):
     device: str = "cpu"
     reference: str | None = None  # frozen reference for the KL term; default: the starting weights
 
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        import torch
+
+        try:
+            torch.device(value)
+        except RuntimeError:
+            raise ValueError(f"{value!r} is not a torch device (cpu, cuda, cuda:1, mps, ...)") from None
+        return value
+
 
 class RolloutSection(_Section):
     env: str = "memory"
@@ -213,11 +224,16 @@ def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
     node[keys[-1]] = value
 
 
-def _set(data: dict[str, Any], dotted: str, raw: str) -> None:
+def parse_value(raw: str) -> Any:
+    """A ``--set`` value: TOML (``1e-3``, ``true``, ``{a = 1}``, ``"x"``), else a bare string."""
     try:
-        value: Any = tomllib.loads(f"v = {raw}")["v"]
+        return tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
-        value = raw  # a bare string
+        return raw
+
+
+def _set(data: dict[str, Any], dotted: str, raw: str) -> None:
+    value = parse_value(raw)
     try:
         set_dotted(data, dotted, value)
     except KVStreamsError as err:
