@@ -277,3 +277,26 @@ def test_command_line_overrides_reach_every_arm_and_bad_ones_stop_before_any_run
         == 2
     )
     assert not (tmp_path / "x" / "runs").exists()
+
+
+def test_a_run_held_by_a_live_process_is_left_to_it_and_a_dead_holders_run_is_taken_over(tmp_path):
+    import subprocess
+    import sys
+
+    from kvstreams.experiments.runner import LOCK, claim, release
+
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    try:
+        held, orphan, fresh = tmp_path / "held", tmp_path / "orphan", tmp_path / "fresh"
+        for directory, pid in ((held, live.pid), (orphan, dead.pid)):
+            directory.mkdir()
+            (directory / LOCK).write_text(str(pid))
+        assert not claim(held)
+        assert claim(orphan) and (orphan / LOCK).read_text() == str(__import__("os").getpid())
+        assert claim(fresh)
+        release(fresh)
+        assert not (fresh / LOCK).exists()
+    finally:
+        live.kill()

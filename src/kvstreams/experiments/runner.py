@@ -35,16 +35,17 @@ MEAN_KEYS = (  # averaged over a run's steps
 )
 
 
-def warm_start(spec: ExperimentSpec, seed: int, models: Path, quick: bool, log) -> str:
+def warm_start(spec: ExperimentSpec, seed: int, models: Path, quick: bool, log) -> str | None:
     """The starting model of every arm at ``seed``: a fixed directory, or a seeded tiny model + SFT
-    on the environment's expert (made once, reused by every arm and by reruns)."""
+    on the environment's expert (made once, reused by every arm and by reruns); None while another
+    process is making it."""
     if spec.model is not None:
         return spec.model
     ws = spec.warm_start
     assert ws is not None
     out = models / f"seed-{seed}"
-    while not (out / "sft" / "sft.json").is_file() and not claim(out):
-        time.sleep(5)  # another process is making this warm start
+    if not (out / "sft" / "sft.json").is_file() and not claim(out):
+        return None  # another process is making it
     if (out / "sft" / "sft.json").is_file():
         release(out)
         return str(out / "sft")
@@ -158,27 +159,33 @@ def run_experiment(
     n_seeds = seeds or (spec.quick.seeds if quick else spec.seeds)
     plan = plan_runs(spec, quick, n_seeds)
     started = time.perf_counter()
-    for i, (arm, seed) in enumerate(plan):
-        run_dir = out / "runs" / arm.name / f"seed-{seed}"
-        if (run_dir / "result.json").is_file() or not claim(run_dir):
-            continue
-        if (run_dir / "result.json").is_file():  # finished by another process while we looked
-            release(run_dir)
-            continue
-        try:
-            model = warm_start(spec, seed, out / "models", quick, _log)
-            _log(f"[{i + 1}/{len(plan)}] {spec.name}: {arm.label or arm.name}, seed {seed}")
-            result = run_one(spec, arm, seed, model, run_dir, quick)
-            write_json(run_dir / "result.json", result)
-        finally:
-            release(run_dir)
-        final = result["final"].get("eval/reward_mean")
-        start = result["start"].get("eval/reward_mean")
-        elapsed = time.perf_counter() - started
-        _log(
-            f"  eval reward {_fmt(start)} -> {_fmt(final)} in {result['seconds']:.0f} s "
-            f"({elapsed / 60:.1f} min so far)"
-        )
+    waiting = True
+    while waiting:  # a pass over the plan; runs whose warm start another process is making wait
+        waiting = False
+        for i, (arm, seed) in enumerate(plan):
+            run_dir = out / "runs" / arm.name / f"seed-{seed}"
+            if (run_dir / "result.json").is_file() or not claim(run_dir):
+                continue
+            if (run_dir / "result.json").is_file():  # finished by another process while we looked
+                release(run_dir)
+                continue
+            try:
+                model = warm_start(spec, seed, out / "models", quick, _log)
+                if model is None:
+                    waiting = True
+                    continue
+                _log(f"[{i + 1}/{len(plan)}] {spec.name}: {arm.label or arm.name}, seed {seed}")
+                result = run_one(spec, arm, seed, model, run_dir, quick)
+                write_json(run_dir / "result.json", result)
+            finally:
+                release(run_dir)
+            final, start = result["final"].get("eval/reward_mean"), result["start"].get("eval/reward_mean")
+            _log(
+                f"  eval reward {_fmt(start)} -> {_fmt(final)} in {result['seconds']:.0f} s "
+                f"({(time.perf_counter() - started) / 60:.1f} min so far)"
+            )
+        if waiting:
+            time.sleep(5)
     return [
         json.loads(done.read_text())
         for arm, seed in plan
