@@ -154,6 +154,8 @@ def test_smd_table_quick_runs_resumes_and_reports(tmp_path, monkeypatch, capsys)
     assert runs["shadow"]["means"]["mismatch/k3_kl"] < 1e-8
     assert runs["naive"]["means"]["mismatch/k3_kl"] > 1e-3
     assert 0.2 < runs["shadow"]["means"]["kv/saving"] < 0.6  # SnapKV dropping 50%
+    assert [row["step"] for row in runs["naive"]["steps"]] == [0, 1, 2]  # every step's logged figures
+    assert "loss/pg" in runs["naive"]["steps"][-1]
     assert (out / "reward_main.png").stat().st_size > 0
     assert "naive (GRPO w/ SnapKV)" in (out / "results.md").read_text()
     # a rerun reuses every finished run and the warm start: nothing is trained again

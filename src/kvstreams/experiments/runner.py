@@ -81,7 +81,7 @@ def run_one(spec: ExperimentSpec, arm: Arm, seed: int, model: str, out: Path, qu
     t0 = time.perf_counter()
     summary = train(cfg, resume=resume, show_progress=False)
     seconds = time.perf_counter() - t0
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    rows = _rows(out)
     extra = {e.name: _evaluate(spec, arm, seed, model, out, quick, e) for e in spec.evals}
     return {
         "arm": arm.name,
@@ -186,11 +186,19 @@ def run_experiment(
             )
         if waiting:
             time.sleep(5)
-    return [
-        json.loads(done.read_text())
-        for arm, seed in plan
-        if (done := out / "runs" / arm.name / f"seed-{seed}" / "result.json").is_file()
-    ]
+    runs = [out / "runs" / arm.name / f"seed-{seed}" for arm, seed in plan]
+    return [load_result(r) for r in runs if (r / "result.json").is_file()]
+
+
+def load_result(run_dir: Path) -> dict[str, Any]:
+    """A finished run's summary with every step's logged figures (``metrics.jsonl``)."""
+    result = json.loads((run_dir / "result.json").read_text())
+    result["steps"] = _rows(run_dir)
+    return result
+
+
+def _rows(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
 
 
 LOCK = "running.lock"
