@@ -285,7 +285,7 @@ def test_a_run_held_by_a_live_process_is_left_to_it_and_a_dead_holders_run_is_ta
     import subprocess
     import sys
 
-    from kvstreams.experiments.runner import LOCK, claim, release
+    from kvstreams.atomic import LOCK, claim, release
 
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     dead = subprocess.Popen([sys.executable, "-c", "pass"])

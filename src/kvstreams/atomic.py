@@ -1,4 +1,5 @@
-"""Atomic file writes: write to a temporary file beside the target, then rename over it."""
+"""Atomic file writes (write to a temporary file beside the target, then rename over it) and
+directory locks (one process at a time in a run directory)."""
 
 from __future__ import annotations
 
@@ -26,3 +27,53 @@ def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
 
 def write_json(path: str | Path, data: object) -> Path:
     return atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(data, indent=2) + "\n"))
+
+
+LOCK = "running.lock"
+
+
+def claim(directory: Path, name: str = LOCK) -> bool:
+    """Take ``directory`` for this process (a lock file ``name`` holding its pid); False when another
+    live process holds it. A lock left by a dead process is taken over."""
+    directory.mkdir(parents=True, exist_ok=True)
+    lock = directory / name
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            if _alive(lock):
+                return False
+            lock.unlink(missing_ok=True)  # its holder died: take the run over
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        return True
+    return False
+
+
+def release(directory: Path, name: str = LOCK) -> None:
+    (directory / name).unlink(missing_ok=True)
+
+
+def _alive(lock: Path) -> bool:
+    try:
+        pid = int(lock.read_text().strip() or "0")
+    except (OSError, ValueError):
+        return False
+    if pid == os.getpid():
+        return False  # our own stale lock (an earlier attempt in this process)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def holder(directory: Path, name: str = LOCK) -> str:
+    """The pid written in ``directory``'s lock (for messages)."""
+    try:
+        return (directory / name).read_text().strip()
+    except OSError:
+        return "?"

@@ -242,6 +242,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. train.steps=4"
     )
     p.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
+    p.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="with --resume: accept a config that changes the optimisation (recorded in config_changes.jsonl)",
+    )
 
     p = sub.add_parser("sft", help="warm-start a model on an environment's expert demonstrations")
     p.add_argument("--config", default=None)
@@ -763,7 +768,7 @@ def cmd_train(args) -> int:
 
     cfg = load_config(args.config, args.set)
     _quiet_transformers()
-    summary = train(cfg, resume=args.resume)
+    summary = train(cfg, resume=args.resume, allow_config_change=args.allow_config_change)
     table = Table(
         title=f"kvstreams train: {cfg.rollout.env}, {cfg.rollout.strategy or cfg.rollout.policy} "
         f"({cfg.rollout.mode}), correction {cfg.loss.type}"

@@ -9,13 +9,12 @@ experiment stopped early still holds paired comparisons.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from kvstreams.atomic import write_json
+from kvstreams.atomic import claim, release, write_json
 from kvstreams.experiments.spec import Arm, ExperimentSpec
 from kvstreams.train.checkpoint import latest_checkpoint
 
@@ -77,9 +76,12 @@ def run_one(spec: ExperimentSpec, arm: Arm, seed: int, model: str, out: Path, qu
     from kvstreams.train.loop import train
 
     cfg = spec.arm_config(arm, seed, model, out, quick)
-    resume = latest_checkpoint(out / "checkpoints") is not None
     t0 = time.perf_counter()
-    summary = train(cfg, resume=resume, show_progress=False)
+    if (out / "summary.json").is_file():  # trained, killed before its result was written
+        summary = json.loads((out / "summary.json").read_text())
+    else:
+        resume = latest_checkpoint(out / "checkpoints") is not None
+        summary = train(cfg, resume=resume, show_progress=False)
     seconds = time.perf_counter() - t0
     rows = _rows(out)
     extra = {e.name: _evaluate(spec, arm, seed, model, out, quick, e) for e in spec.evals}
@@ -199,48 +201,6 @@ def load_result(run_dir: Path) -> dict[str, Any]:
 
 def _rows(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-
-
-LOCK = "running.lock"
-
-
-def claim(directory: Path) -> bool:
-    """Take ``directory`` for this process (a lock file holding its pid); False when another live
-    process holds it. A lock left by a dead process is taken over."""
-    directory.mkdir(parents=True, exist_ok=True)
-    lock = directory / LOCK
-    for _ in range(2):
-        try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            if _alive(lock):
-                return False
-            lock.unlink(missing_ok=True)  # its holder died: take the run over
-            continue
-        with os.fdopen(fd, "w") as f:
-            f.write(str(os.getpid()))
-        return True
-    return False
-
-
-def release(directory: Path) -> None:
-    (directory / LOCK).unlink(missing_ok=True)
-
-
-def _alive(lock: Path) -> bool:
-    try:
-        pid = int(lock.read_text().strip() or "0")
-    except (OSError, ValueError):
-        return False
-    if pid == os.getpid():
-        return False  # our own stale lock (an earlier attempt in this process)
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _fmt(x: float | None) -> str:

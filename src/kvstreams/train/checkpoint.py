@@ -2,11 +2,14 @@
 
 Each checkpoint is a directory ``step-000012/`` written as a temporary directory and renamed into
 place, so a process killed at any moment leaves either the previous checkpoints or a complete new
-one, never a corrupt one. The last ``keep_last`` are kept.
+one, never a corrupt one. The last ``keep_last`` are kept. Every file's sha256 is written with it
+(``checksums.json``); resuming skips a checkpoint that fails its digests or does not load, saying
+so, and falls back to the previous one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import shutil
@@ -15,11 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, load_model, save_file, save_model
 
 from kvstreams.errors import KVStreamsError
 
 PREFIX = "step-"
+CHECKSUMS = "checksums.json"
 
 
 def _flatten_optimizer(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -73,6 +78,8 @@ def save_checkpoint(
             **(extra or {}),
         }
         (tmp / "state.json").write_text(json.dumps(state, default=_jsonable))
+        # written last: a checkpoint whose files do not match these digests is not loaded
+        (tmp / CHECKSUMS).write_text(json.dumps({f.name: sha256(f) for f in sorted(tmp.iterdir())}))
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
@@ -95,6 +102,68 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why the checkpoint directory ``path`` cannot be trusted, or None. Checks the digests written
+    with it (a bit flip or a truncated file), then ``state.json``'s step against the directory name.
+    Checkpoints written before digests existed are checked by loading only."""
+    if not path.is_dir():
+        return "not a directory"
+    sums = path / CHECKSUMS
+    if sums.exists():
+        try:
+            expected = json.loads(sums.read_text())
+        except (OSError, ValueError):
+            return f"{CHECKSUMS} is unreadable"
+        for name, digest in expected.items():
+            f = path / name
+            if not f.is_file():
+                return f"{name} is missing"
+            if sha256(f) != digest:
+                return f"{name} does not match its checksum"
+    try:
+        step = json.loads((path / "state.json").read_text())["step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "state.json is unreadable or has no step"
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        return f"state.json holds an invalid step {step!r}"
+    if path.name != f"{PREFIX}{step:06d}":
+        return f"state.json says step {step}, the directory another"
+    return None
+
+
+def resume_latest(out_dir: str | Path, model, optimizer, scheduler) -> tuple[Path, dict[str, Any], list[str]]:
+    """Load the newest checkpoint that checks out and loads, newest first; returns it, its state and
+    one line per newer checkpoint that was passed over (and why)."""
+    candidates = sorted((p for p in Path(out_dir).glob(f"{PREFIX}*")), reverse=True)
+    skipped: list[str] = []
+    for path in candidates:
+        problem = checkpoint_problem(path)
+        if problem is None:
+            try:
+                return path, load_checkpoint(path, model, optimizer, scheduler), skipped
+            except KVStreamsError as err:
+                problem = str(err).removeprefix(f"cannot resume from {path}: ")
+        skipped.append(f"{path.name}: {problem}")
+    detail = f" ({'; '.join(skipped)})" if skipped else ""
+    raise KVStreamsError(f"nothing to resume: no readable checkpoint under {out_dir}{detail}")
+
+
+def remove_orphans(out_dir: str | Path) -> list[Path]:
+    """Delete temporary checkpoint directories a killed process left behind (``.step-*``)."""
+    orphans = [p for p in Path(out_dir).glob(f".{PREFIX}*") if p.is_dir()]
+    for p in orphans:
+        shutil.rmtree(p, ignore_errors=True)
+    return orphans
+
+
 def load_checkpoint(path: str | Path, model, optimizer, scheduler) -> dict[str, Any]:
     path = Path(path)
     try:
@@ -105,7 +174,8 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler) -> dict[str, 
         )
         scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(load_file(str(path / "rng.safetensors"))["torch_cpu"])
-    except (OSError, KeyError, ValueError, RuntimeError) as err:
-        raise KVStreamsError(f"cannot resume from {path}: {type(err).__name__}: {err}") from None
-    random.setstate((3, tuple(state["python_random"]), None))
+        random.setstate((3, tuple(state["python_random"]), None))
+    except (OSError, KeyError, ValueError, RuntimeError, TypeError, SafetensorError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise KVStreamsError(f"cannot resume from {path}: {type(err).__name__}: {first}") from None
     return state

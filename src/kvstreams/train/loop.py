@@ -15,6 +15,7 @@ log-probs (the shadow correction) or the correction's own weights.
 from __future__ import annotations
 
 import copy
+import json
 import queue
 import sys
 import threading
@@ -26,16 +27,17 @@ from typing import Any
 
 import torch
 
-from kvstreams.atomic import write_json
+from kvstreams.atomic import claim, holder, release, write_json
 from kvstreams.errors import KVStreamsError
 from kvstreams.models import load_model
-from kvstreams.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from kvstreams.train.checkpoint import latest_checkpoint, remove_orphans, resume_latest, save_checkpoint
 from kvstreams.train.config import Config
 from kvstreams.train.learner import Learner
 from kvstreams.train.metrics import MetricsLog
 from kvstreams.train.prepare import learner_items
 from kvstreams.train.rollouts import RolloutBatch, RolloutSource, WeightsTarget
 
+TRAIN_LOCK = "train.lock"
 REPREFILL_EQUIVALENT = (
     "N + (N - N0) r / (B - r): N tokens forwarded, N0 before each episode's first compaction"
 )
@@ -147,13 +149,30 @@ class AsyncRollouts:
             self.cond.notify_all()
 
 
-def train(cfg: Config, resume: bool = False, show_progress: bool = True) -> dict[str, Any]:
-    """Run the configured training; returns the summary (also written to ``summary.json``)."""
+def train(
+    cfg: Config, resume: bool = False, show_progress: bool = True, allow_config_change: bool = False
+) -> dict[str, Any]:
+    """Run the configured training; returns the summary (also written to ``summary.json``). One
+    process at a time per ``train.out_dir`` (a lock file)."""
+    out = Path(cfg.train.out_dir)
+    if not claim(out, TRAIN_LOCK):
+        raise KVStreamsError(f"{out} is in use by another kvstreams train (pid {holder(out, TRAIN_LOCK)})")
+    try:
+        return _train(cfg, resume, show_progress, allow_config_change)
+    finally:
+        release(out, TRAIN_LOCK)
+
+
+def _load(cfg: Config, resume: bool, allow_config_change: bool):
+    """The model, tokenizer and learner, restored from the run's newest good checkpoint when resuming;
+    returns them with the first step to run."""
     out = Path(cfg.train.out_dir)
     checkpoints = out / "checkpoints"
-    checkpoint = latest_checkpoint(checkpoints) if resume else None
-    if resume and checkpoint is None:
-        raise KVStreamsError(f"nothing to resume: no checkpoint under {checkpoints}")
+    for orphan in remove_orphans(checkpoints):
+        print(
+            f"kvstreams train: removed {orphan.name}, a checkpoint a killed run left unfinished",
+            file=sys.stderr,
+        )
     if not resume and latest_checkpoint(checkpoints) is not None:
         raise KVStreamsError(
             f"{out} already holds a run; pass --resume to continue it or choose another out_dir"
@@ -166,13 +185,78 @@ def train(cfg: Config, resume: bool = False, show_progress: bool = True) -> dict
         )[0]
     torch.manual_seed(cfg.train.seed)
     learner = Learner(model, cfg, reference)
-    start = 0
-    if checkpoint is not None:
-        state = load_checkpoint(checkpoint, model, learner.optimizer, learner.scheduler)
-        start = int(state["step"]) + 1
-    log = MetricsLog(
-        out, tensorboard=cfg.train.tensorboard, keep_until=start if checkpoint is not None else None
-    )
+    if not resume:
+        return model, tokenizer, learner, 0
+    path, state, skipped = resume_latest(checkpoints, model, learner.optimizer, learner.scheduler)
+    for line in skipped:
+        print(f"kvstreams train: passed over checkpoint {line}; resuming from {path.name}", file=sys.stderr)
+    start = int(state["step"]) + 1
+    if start >= cfg.train.steps:
+        raise KVStreamsError(
+            f"{out} is finished ({start} of train.steps = {cfg.train.steps} steps done); "
+            "raise train.steps to continue it"
+        )
+    _check_drift(state.get("config", {}), cfg, out, start, allow_config_change)
+    return model, tokenizer, learner, start
+
+
+# Settings a resumed run may change freely: they alter what is logged and kept, not what is optimised.
+FREE_TO_CHANGE = (
+    "train.steps",
+    "train.eval_every",
+    "train.eval_episodes",
+    "train.checkpoint_every",
+    "train.keep_last",
+    "train.max_nonfinite_steps",
+    "train.tensorboard",
+    "train.plots",
+    "train.out_dir",
+    "model.device",
+    "sft.",
+)
+
+
+def config_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, list[Any]]:
+    """Dotted keys whose value differs between two config dumps, except :data:`FREE_TO_CHANGE`."""
+    a, b = _flatten(old), _flatten(new)
+    return {
+        k: [a.get(k), b.get(k)]
+        for k in sorted(set(a) | set(b))
+        if a.get(k) != b.get(k) and not k.startswith(FREE_TO_CHANGE)
+    }
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and key not in ("env_args", "strategy_args", "policy_args"):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _check_drift(old: dict[str, Any], cfg: Config, out: Path, start: int, allowed: bool) -> None:
+    """Refuse to resume under a config that changes the optimisation, unless allowed (then recorded)."""
+    changes = config_changes(old, cfg.model_dump())
+    if not changes:
+        return
+    listed = ", ".join(f"{k}: {v[0]!r} -> {v[1]!r}" for k, v in changes.items())
+    if not allowed:
+        raise KVStreamsError(
+            f"the config differs from the one {out} was trained with ({listed}); "
+            "pass --allow-config-change to resume under the new one (the change is recorded)"
+        )
+    with (out / "config_changes.jsonl").open("a") as f:
+        f.write(json.dumps({"step": start, "changes": changes}) + "\n")
+    print(f"kvstreams train: resuming at step {start} under a changed config ({listed})", file=sys.stderr)
+
+
+def _train(cfg: Config, resume: bool, show_progress: bool, allow_config_change: bool) -> dict[str, Any]:
+    out = Path(cfg.train.out_dir)
+    checkpoints = out / "checkpoints"
+    model, tokenizer, learner, start = _load(cfg, resume, allow_config_change)
+    log = MetricsLog(out, tensorboard=cfg.train.tensorboard, keep_until=start if resume else None)
     source = RolloutSource(model, tokenizer, cfg, version=start)
     write_json(out / "config.json", cfg.model_dump())
 

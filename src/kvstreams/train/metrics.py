@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
+
+from kvstreams.atomic import atomic_write
+from kvstreams.errors import KVStreamsError
 
 PLOTS = {
     "reward.png": ("reward", ["reward/mean", "eval/reward_mean", "eval/reward_greedy"]),
@@ -28,7 +32,9 @@ class MetricsLog:
         self.path = self.dir / "metrics.jsonl"
         if keep_until is not None and self.path.exists():  # resuming: drop rows after the checkpoint
             rows = [r for r in self.read() if r["step"] <= keep_until]
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            atomic_write(
+                self.path, lambda tmp: Path(tmp).write_text("".join(json.dumps(r) + "\n" for r in rows))
+            )
         elif keep_until is None and self.path.exists():
             self.path.unlink()
         self.writer = None
@@ -51,9 +57,20 @@ class MetricsLog:
             self.writer.flush()
 
     def read(self) -> list[dict[str, Any]]:
+        """The logged rows. A last line cut off by a killed process is dropped with a warning; a bad
+        line anywhere else is an error naming it."""
         if not self.path.exists():
             return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        lines = [x for x in self.path.read_text().splitlines() if x.strip()]
+        rows = []
+        for number, line in enumerate(lines, 1):
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                if number < len(lines):
+                    raise KVStreamsError(f"{self.path}: line {number} is not JSON") from None
+                print(f"kvstreams: {self.path}: dropped a cut-off last line", file=sys.stderr)
+        return rows
 
     def close(self) -> None:
         if self.writer is not None:
