@@ -104,7 +104,7 @@ def bad_model_dir(tmp_path):
         (["rollout", "--budget", "0.5", "--compression", "0.5"], "not both"),
         (["rollout", "--compression", "120%"], "--compression must be a share"),
         (["rollout", "--episodes", "0"], "must be positive"),
-        (["rollout", "--top-p", "2"], "top_p"),
+        (["rollout", "--top-p", "2"], "(0, 1]"),
         (["rollout", "--policy", "snapkv", "--budget", "40"], "too small"),
         (["rollout", "--policy-arg", "windowless"], "key=value"),
         (["rollout", "--policy", "h2o", "--policy-arg", "n_sink=3"], "has no option"),

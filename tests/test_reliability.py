@@ -207,3 +207,74 @@ def test_kill_9_at_random_moments_then_resume_gives_the_uninterrupted_run(model_
     for a, b in zip(straight, again, strict=True):
         for key in ("loss/pg", "reward/mean", "entropy/mean", "tokens/forwarded"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["step"], key)
+
+
+# --- the command line: bad inputs are one line before any work ------------------------------------------
+
+
+def _cli(argv, capsys) -> tuple[int, str]:
+    from kvstreams.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as stop:  # argparse's refusals
+        code = stop.code
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err
+    return code, err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["verify", "--mode", "stream"], "--model"),  # never an abbreviation of --model
+        (["rollout", "--model", "M", "--out", "O", "--temperature", "nan"], "finite"),
+        (["rollout", "--model", "M", "--out", "O", "--temperature", "inf"], "finite"),
+        (["rollout", "--model", "M", "--out", "O", "--top-p", "1.5"], "(0, 1]"),
+        (["rollout", "--model", "M", "--out", "O", "--device", "tpu"], "not a torch device"),
+        (["rollout", "--model", "M", "--out", "O", "--top-k", "-1"], ">= 0"),
+    ],
+)
+def test_bad_command_line_values_are_refused_by_the_parser(argv, message, capsys):
+    code, err = _cli(argv, capsys)
+    assert code == 2 and message in err and len(err.splitlines()) == 1
+
+
+def test_outputs_are_checked_before_any_work(model_dirs, tmp_path, capsys):
+    model = model_dirs["qwen3"]
+    code, err = _cli(["tiny-model", "--out", model], capsys)
+    assert code == 2 and "--force" in err
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    code, err = _cli(["verify", "--model", model, "--json", str(blocker / "r.json")], capsys)
+    assert code == 2 and "--json" in err and "not writable" in err
+    out = tmp_path / "traces"
+    base = ["rollout", "--model", model, "--policy", "snapkv", "--episodes", "1", "--max-new-tokens", "4"]
+    assert _cli([*base, "--out", str(out)], capsys)[0] == 0
+    code, err = _cli([*base, "--out", str(out)], capsys)  # a second rollout must not mix with the first
+    assert code == 2 and "earlier rollout" in err
+    code, err = _cli([*base[:-1], "40000", "--out", str(tmp_path / "long")], capsys)
+    assert code == 2 and "max_position_embeddings" in err
+
+
+def test_a_config_that_is_not_utf8_is_one_line(tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_bytes(b"[train]\nsteps = 2 # \xff\xfe\n")
+    code, err = _cli(["train", "--config", str(bad)], capsys)
+    assert code == 2 and "not UTF-8" in err
+
+
+def test_an_unexpected_error_is_one_line_and_debug_shows_the_traceback(monkeypatch, capsys):
+    import kvstreams.cli as cli
+
+    def broken(args):
+        raise ValueError("something nobody foresaw\nsecond line")
+
+    monkeypatch.setitem(cli.COMMANDS, "inspect", broken)
+    code, err = _cli(["inspect", "x"], capsys)
+    assert code == 1 and err == (
+        "kvstreams inspect: unexpected error: ValueError: something nobody foresaw "
+        "(run with --debug for the traceback)"
+    )
+    with pytest.raises(ValueError):
+        cli.main(["--debug", "inspect", "x"])

@@ -25,6 +25,20 @@ def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
     return path
 
 
+def ensure_writable(directory: Path, what: str) -> None:
+    """Make ``directory`` if missing and check a file can be created in it: an unwritable output path
+    is one line before any compute is spent, not an error after it."""
+    from kvstreams.errors import KVStreamsError
+
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-test.", dir=directory)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise KVStreamsError(f"{what} {str(directory)!r} is not writable: {err.strerror or err}") from None
+
+
 def write_json(path: str | Path, data: object) -> Path:
     return atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(data, indent=2) + "\n"))
 

@@ -8,16 +8,22 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 import time
 from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from kvstreams.atomic import ensure_writable
 from kvstreams.errors import KVStreamsError
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)  # `--mode` must never be read as `--model`
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str):  # one line, no usage dump
         print(f"kvstreams {self.prog.split()[-1]}: error: {message}", file=sys.stderr)
         raise SystemExit(2)
@@ -36,14 +42,48 @@ def _positive(kind: type):
     return parse
 
 
-def _non_negative_float(text: str) -> float:
+def _finite(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = _finite(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _probability(text: str) -> float:
+    value = _finite(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def _device(text: str) -> str:
+    import torch
+
+    try:
+        torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device (cpu, cuda, cuda:1, mps)") from None
+    return text
 
 
 def _policy_args(pairs: Sequence[str], flag: str = "--policy-arg") -> dict[str, object]:
@@ -66,7 +106,7 @@ def _policy_args(pairs: Sequence[str], flag: str = "--policy-arg") -> dict[str, 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="local Hugging Face model directory")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    p.add_argument("--device", type=_device, default="cpu", help="cpu, cuda, cuda:1, ...")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, episodes: int, prompt_len: int, new_tokens: int) -> None:
@@ -106,8 +146,8 @@ def _add_sampling_args(p: argparse.ArgumentParser, episodes: int, prompt_len: in
     p.add_argument("--prompt-len", type=_positive(int), default=prompt_len)
     p.add_argument("--max-new-tokens", type=_positive(int), default=new_tokens)
     p.add_argument("--temperature", type=_non_negative_float, default=1.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=_probability, default=1.0)
+    p.add_argument("--top-k", type=_non_negative_int, default=0)
     p.add_argument(
         "--no-stop",
         dest="no_stop",
@@ -171,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="kvstreams", description="In-place KV eviction while sampling, exact replay while learning."
     )
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an unexpected error")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("tiny-model", help="write a small random HF model + locally trained tokenizer")
@@ -187,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--vocab", type=_positive(int), default=512)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true", help="overwrite a model already in --out")
 
     p = sub.add_parser(
         "pretrained",
@@ -394,6 +436,9 @@ def cmd_pretrained(args) -> int:
 def cmd_tiny_model(args) -> int:
     from kvstreams.models import make_tiny_model
 
+    if (Path(args.out) / "config.json").exists() and not args.force:
+        raise KVStreamsError(f"--out {args.out!r} already holds a model; pass --force to overwrite it")
+    ensure_writable(Path(args.out), "--out")
     _quiet_transformers()
     out = make_tiny_model(
         args.out,
@@ -452,9 +497,21 @@ def cmd_rollout(args) -> int:
     return _rollout_policy(args)
 
 
-def _check_out(out: Path) -> None:
+def _check_out(out: Path, traces: bool = False) -> None:
+    """Before any work: ``--out`` is a writable directory (made if missing); for trace output it holds
+    no traces of an earlier rollout (they would mix with these)."""
     if out.exists() and not out.is_dir():
         raise KVStreamsError(f"--out {str(out)!r} exists and is not a directory")
+    if traces and any(out.glob("trace-*.safetensors")):
+        raise KVStreamsError(
+            f"--out {str(out)!r} holds traces of an earlier rollout; choose another directory or remove them"
+        )
+    ensure_writable(out, "--out")
+
+
+def _check_json(path: str | None) -> None:
+    if path:
+        ensure_writable(Path(path).parent, "--json")
 
 
 def _rollout_policy(args) -> int:
@@ -464,8 +521,14 @@ def _rollout_policy(args) -> int:
 
     policy = _policy(args.policy or "snapkv", args)
     out = Path(args.out)
-    _check_out(out)
+    _check_out(out, traces=True)
     model, tokenizer = _load(args)
+    longest = args.prompt_len + args.max_new_tokens
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if not args.env and limit is not None and longest > limit:
+        raise KVStreamsError(
+            f"--prompt-len + --max-new-tokens = {longest} exceeds the model's max_position_embeddings ({limit})"
+        )
     params = _sampling_params(args, tokenizer)
     envs, chat = None, None
     if args.env:
@@ -528,7 +591,7 @@ def _rollout_episodes(args) -> int:
     strategy = _strategy(args.strategy, args) if args.strategy else None
     envs = _envs(args, args.episodes)
     out = Path(args.out)
-    _check_out(out)
+    _check_out(out, traces=True)
     model, tokenizer = _load(args)
     params = _sampling_params(args, tokenizer)
     runner = EpisodeRunner(model, tokenizer, strategy, mode=mode, sampling=params, **_runner_options(args))
@@ -580,6 +643,8 @@ def cmd_verify(args) -> int:
     from kvstreams.policies import POLICIES
     from kvstreams.prompts import synthetic_prompts
     from kvstreams.verify import verify_policy, verify_strategy
+
+    _check_json(args.json)
 
     if args.policy and args.strategy:
         raise KVStreamsError("verify either --policy (compression) or --strategy (compaction), not both")
@@ -855,6 +920,7 @@ def cmd_bench(args) -> int:
     from kvstreams.bench import ALL, BENCHES, print_report
     from kvstreams.bench.report import pin_allocator
 
+    _check_json(args.json)
     pin_allocator()  # before anything is allocated: peak-memory figures depend on it
     _quiet_transformers()
     out = Path(args.out)
@@ -908,6 +974,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"kvstreams {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as err:  # a bug or an unforeseen input: one line, the traceback on request
+        if args.debug:
+            raise
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        print(
+            f"kvstreams {args.command}: unexpected error: {type(err).__name__}: {first} "
+            "(run with --debug for the traceback)",
+            file=sys.stderr,
+        )
+        return 1
 
 
 if __name__ == "__main__":

@@ -174,6 +174,8 @@ def load_spec(name_or_path: str, overrides: dict[str, Any] | None = None) -> Exp
         spec = ExperimentSpec.model_validate(data)
     except tomllib.TOMLDecodeError as err:
         raise KVStreamsError(f"{path}: invalid TOML: {err}") from None
+    except UnicodeDecodeError:
+        raise KVStreamsError(f"{path}: not UTF-8 text (TOML files are UTF-8)") from None
     except ValidationError as err:
         first = err.errors()[0]
         where = ".".join(str(x) for x in first["loc"])

@@ -251,6 +251,8 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             data = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as err:
             raise KVStreamsError(f"{p}: invalid TOML: {err}") from None
+        except UnicodeDecodeError:
+            raise KVStreamsError(f"{p}: not UTF-8 text (TOML files are UTF-8)") from None
     for item in overrides or []:
         if "=" not in item:
             raise KVStreamsError(f"--set takes key=value, got {item!r}")

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from kvstreams.atomic import claim, holder, release, write_json
+from kvstreams.atomic import claim, ensure_writable, holder, release, write_json
 from kvstreams.errors import KVStreamsError
 from kvstreams.models import load_model
 from kvstreams.train.checkpoint import latest_checkpoint, remove_orphans, resume_latest, save_checkpoint
@@ -155,6 +155,7 @@ def train(
     """Run the configured training; returns the summary (also written to ``summary.json``). One
     process at a time per ``train.out_dir`` (a lock file)."""
     out = Path(cfg.train.out_dir)
+    ensure_writable(out, "train.out_dir")
     if not claim(out, TRAIN_LOCK):
         raise KVStreamsError(f"{out} is in use by another kvstreams train (pid {holder(out, TRAIN_LOCK)})")
     try:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from kvstreams.atomic import ensure_writable
 from kvstreams.chat import ChatFormat
 from kvstreams.envs import make_env
 from kvstreams.errors import KVStreamsError
@@ -54,6 +55,7 @@ def demonstrations(
 
 def sft(cfg: Config, show_progress: bool = True) -> dict[str, Any]:
     s, r = cfg.sft, cfg.rollout
+    ensure_writable(Path(s.out), "sft.out")
     model, tokenizer = load_model(s.base, dtype="float32", device=cfg.model.device)
     demos = demonstrations(tokenizer, r.env, r.env_args, s.episodes, s.seed)
     rng = random.Random(s.seed)
