@@ -153,3 +153,31 @@ def test_chat_continuation_reproduces_the_template(qwen):
         [*head, {"role": "assistant", "content": reply}, *obs], tokenize=False, add_generation_prompt=True
     )
     assert tok.decode(tokens) == expected
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [
+        lambda story: story.write_bytes(story.read_bytes()[: len(story.read_bytes()) // 2]),  # truncated
+        lambda story: story.with_suffix(".json").write_text("{ not json"),
+        lambda story: (
+            story.with_suffix(".sha256").unlink(),
+            story.write_bytes(b"\x03" + story.read_bytes()[1:]),
+        ),
+    ],
+    ids=["truncated story", "bad metadata", "old cache, wrong header"],
+)
+def test_a_corrupt_cached_game_is_named_and_generated_again(tw_cache, corrupt, capsys):
+    from kvstreams.envs.textworld_env import cached_game_problem
+
+    env = make_env("textworld", cache_dir=tw_cache)
+    story = env.make_game(7)
+    assert cached_game_problem(story) is None
+    corrupt(story)
+    assert cached_game_problem(story) is not None
+    env.reset(7)  # regenerated, then played: never handed to jericho corrupt
+    assert f"cached TextWorld game {story} is corrupt" in capsys.readouterr().err
+    assert cached_game_problem(story) is None
+    reward, _, info = play(env, 7, lambda e: e.expert_reply())
+    assert reward == pytest.approx(1.0) and info["won"]
+    env.close()

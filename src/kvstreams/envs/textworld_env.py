@@ -16,8 +16,11 @@ Knobs: ``world_size`` (rooms), ``nb_objects``, ``quest_length``, ``max_turns`` (
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 import re
+import sys
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -58,6 +61,42 @@ def game_command(reply: str) -> str:
     return " ".join(command.split())[:190]  # jericho truncates (with a warning) past 197 bytes
 
 
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def write_game_digests(story: Path) -> None:
+    """Record the sha256 of a generated game's story and metadata files beside them."""
+    files = [story, story.with_suffix(".json")]
+    story.with_suffix(".sha256").write_text(json.dumps({f.name: _digest(f) for f in files}))
+
+
+def cached_game_problem(story: Path) -> str | None:
+    """Why a cached game cannot be trusted, or None: its recorded digests, or, for games cached
+    before digests were written, the Z-machine header (version 8, the file at least as long as the
+    length it declares) and the metadata parsing as JSON."""
+    digests = story.with_suffix(".sha256")
+    if digests.is_file():
+        try:
+            expected = json.loads(digests.read_text())
+        except ValueError:
+            return "unreadable digests"
+        for name, digest in expected.items():
+            f = story.parent / name
+            if not f.is_file() or _digest(f) != digest:
+                return f"{name} does not match its digest"
+        return None
+    data = story.read_bytes()
+    declared = int.from_bytes(data[0x1A:0x1C], "big") * 8 if len(data) >= 0x40 else 0
+    if len(data) < 0x40 or data[0] != 8 or declared == 0 or declared > len(data):
+        return f"{story.name} is not a complete Z-machine version 8 story"
+    try:
+        json.loads(story.with_suffix(".json").read_text())
+    except (ValueError, UnicodeDecodeError):
+        return f"{story.with_suffix('.json').name} is not JSON"
+    return None
+
+
 @register("textworld")
 @dataclass
 class TextWorldEnv(Environment):
@@ -94,10 +133,18 @@ class TextWorldEnv(Environment):
         return root / name
 
     def make_game(self, seed: int) -> Path:
-        """Generate the game for ``seed`` unless it is cached (about 1-2 s per game)."""
+        """Generate the game for ``seed`` unless it is cached (about 1-2 s per game). A cached game that
+        fails its check (:func:`cached_game_problem`) is never loaded: it is generated again, and the
+        message names it (jericho could end the process on a corrupt story file)."""
         path = self.game_path(seed)
         if path.is_file() and path.with_suffix(".json").is_file():
-            return path
+            problem = cached_game_problem(path)
+            if problem is None:
+                return path
+            print(
+                f"kvstreams: cached TextWorld game {path} is corrupt ({problem}); generating it again",
+                file=sys.stderr,
+            )
         try:
             import textworld
         except ImportError:
@@ -124,6 +171,7 @@ class TextWorldEnv(Environment):
                     os.environ.pop("HOME", None)
                 else:
                     os.environ["HOME"] = home
+        write_game_digests(path)
         return path
 
     def reset(self, seed: int) -> list[Message]:
