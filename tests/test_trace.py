@@ -89,6 +89,10 @@ def _corrupt(tmp_path: Path, edit) -> Path:
         (lambda t, m: m.pop("temperature"), "missing temperature"),
         (lambda t, m: m.__setitem__("temperature", "hot"), "temperature"),
         (lambda t, m: t["sampler_logprobs"].__setitem__(6, float("nan")), "finite"),
+        (lambda t, m: t["sampler_logprobs"].__setitem__(6, float("-inf")), "finite"),
+        (lambda t, m: m.__setitem__("temperature", "nan"), "temperature 'nan'"),
+        (lambda t, m: m.__setitem__("temperature", "inf"), "temperature 'inf'"),
+        (lambda t, m: t["tokens"].__setitem__(2, -1), "token ids must be >= 0"),
         (lambda t, m: t["sampler_logprobs"].__setitem__(1, -0.5), "NaN where"),
         (lambda t, m: t.__setitem__("extra", torch.zeros(3)), "unexpected tensor"),
     ],
@@ -126,3 +130,21 @@ def test_death_must_fit_the_model():
     assert trace.death_for(2, 2).shape == (2, 2, 10)
     with pytest.raises(TraceFormatError, match="does not fit"):
         trace.death_for(4, 2)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda t: t.tokens.__setitem__(3, 10**6), "outside the model's vocabulary"),
+        (lambda t: t.positions.__setitem__(slice(None), t.positions + 10**6), "max_position_embeddings"),
+    ],
+)
+def test_traces_that_do_not_fit_the_model_are_refused_at_replay(qwen, edit, message):
+    from kvstreams.replay import replay_logprobs
+
+    model, _ = qwen
+    trace = make_trace()
+    trace.death = trace.death[:1]  # one layer's record, shared by all: fits the 2-KV-head model
+    edit(trace)
+    with pytest.raises(TraceFormatError, match=message):
+        replay_logprobs(model, [trace])

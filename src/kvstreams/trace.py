@@ -175,7 +175,9 @@ class Trace:
         if bool(self.sampled_mask[0]):
             raise TraceFormatError("trace token 0 cannot be sampled (no query precedes it)")
         lp = self.sampler_logprobs
-        if bool(torch.isnan(lp[self.sampled_mask]).any()) or bool((lp[self.sampled_mask] > 1e-4).any()):
+        if bool((self.tokens < 0).any()):
+            raise TraceFormatError("trace token ids must be >= 0")
+        if bool((~torch.isfinite(lp[self.sampled_mask])).any()) or bool((lp[self.sampled_mask] > 1e-4).any()):
             raise TraceFormatError(
                 "trace sampler_logprobs must be finite log-probabilities (<= 0) at sampled tokens"
             )
@@ -187,11 +189,11 @@ class Trace:
         if self.metadata["format"] != FORMAT:
             raise TraceFormatError(f"trace format is {self.metadata['format']!r}, expected {FORMAT!r}")
         try:
-            if float(self.metadata["temperature"]) < 0:
+            if not 0 <= float(self.metadata["temperature"]) < float("inf"):  # nan fails too
                 raise ValueError
         except ValueError:
             raise TraceFormatError(
-                f"trace temperature {self.metadata['temperature']!r} is not a number >= 0"
+                f"trace temperature {self.metadata['temperature']!r} is not a finite number >= 0"
             ) from None
         try:
             if self.top_k < 0 or not 0.0 < self.top_p <= 1.0:

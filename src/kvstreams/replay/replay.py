@@ -35,7 +35,7 @@ from kvstreams.errors import KVStreamsError
 from kvstreams.models import model_shape
 from kvstreams.replay.blocksparse import block_sparse_attention
 from kvstreams.replay.masks import block_mask_from_death, dense_visibility
-from kvstreams.trace import Trace
+from kvstreams.trace import Trace, TraceFormatError
 
 Mode = Literal["shadow", "dense"]
 Backend = Literal["sdpa", "flex", "blocksparse"]
@@ -177,8 +177,24 @@ class ReplayMask:
         return out.transpose(1, 2)
 
 
+def check_fits(model, batch: ReplayBatch) -> None:
+    """Token ids inside the model's vocabulary, positions inside its range: otherwise an embedding
+    lookup fails deep in the model (or, for positions, RoPE silently extrapolates)."""
+    shape = model_shape(model)
+    if batch.tokens.numel() and int(batch.tokens.max()) >= shape.vocab_size:
+        raise TraceFormatError(
+            f"trace token id {int(batch.tokens.max())} is outside the model's vocabulary ({shape.vocab_size} ids)"
+        )
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and batch.positions.numel() and int(batch.positions.max()) >= limit:
+        raise TraceFormatError(
+            f"trace position {int(batch.positions.max())} is beyond the model's max_position_embeddings ({limit})"
+        )
+
+
 def replay_logits(model, batch: ReplayBatch, backend: Backend = "sdpa") -> torch.Tensor:
     """Logits [B, T, V] of the model over the batch under the batch's visibility (with grad if enabled)."""
+    check_fits(model, batch)
     device = next(model.parameters()).device
     batch = batch.to(device)
     ctx = ReplayMask(batch.death, backend, model_shape(model).n_heads, causal=batch.causal)
