@@ -278,3 +278,61 @@ def test_an_unexpected_error_is_one_line_and_debug_shows_the_traceback(monkeypat
     )
     with pytest.raises(ValueError):
         cli.main(["--debug", "inspect", "x"])
+
+
+# --- model directories ----------------------------------------------------------------------------------
+
+
+def _edit_config(d, **changes):
+    config = json.loads((d / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key)
+        else:
+            config[key] = value
+    (d / "config.json").write_text(json.dumps(config))
+
+
+def _bigger_tokenizer(d):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(d)
+    tok.add_tokens([f"extra{i}" for i in range(600)])
+    tok.save_pretrained(d)
+
+
+MODEL_CASES = {
+    "config not an object": (lambda d: (d / "config.json").write_text("[1, 2]"), "not a JSON object"),
+    "config not JSON": (lambda d: (d / "config.json").write_text("{"), "cannot read"),
+    "zero heads": (
+        lambda d: _edit_config(d, num_attention_heads=0),
+        "num_attention_heads must be a positive",
+    ),
+    "missing key": (
+        lambda d: _edit_config(d, hidden_size=None),
+        "hidden_size must be a positive integer, got None",
+    ),
+    "mistyped key": (lambda d: _edit_config(d, num_hidden_layers="four"), "got 'four'"),
+    "heads do not divide": (lambda d: _edit_config(d, num_key_value_heads=3), "not a multiple"),
+    "truncated weights": (
+        lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:1000]),
+        "cannot load model",
+    ),
+    "missing tokenizer": (
+        lambda d: [f.unlink() for f in d.iterdir() if f.name.startswith(("tokenizer", "special_tokens"))],
+        "has no tokenizer",
+    ),
+    "tokenizer larger than the vocabulary": (_bigger_tokenizer, "the tokenizer has"),
+}
+
+
+@pytest.mark.parametrize("case", list(MODEL_CASES))
+def test_broken_model_directories_are_one_line(case, model_dirs, tmp_path):
+    from kvstreams.models import load_model
+
+    d = _copy(model_dirs["qwen3"], tmp_path / "m")
+    edit, message = MODEL_CASES[case]
+    edit(d)
+    with pytest.raises(KVStreamsError, match=message) as err:
+        load_model(d)
+    assert "\n" not in str(err.value)

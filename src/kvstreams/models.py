@@ -248,6 +248,30 @@ def _dtype(name: str) -> torch.dtype:
     return table[name]
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+_REQUIRED_INTS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
+
+
+def _check_config(config: object, config_file: Path) -> None:
+    """The config keys kvstreams relies on: present, positive integers, heads that divide."""
+    if not isinstance(config, dict):
+        raise KVStreamsError(f"{config_file} is not a JSON object")
+    for key in (*_REQUIRED_INTS, "num_key_value_heads"):
+        value = config.get(key)
+        if value is None and key == "num_key_value_heads":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise KVStreamsError(f"{config_file}: {key} must be a positive integer, got {value!r}")
+    heads, kv = (
+        config["num_attention_heads"],
+        config.get("num_key_value_heads") or config["num_attention_heads"],
+    )
+    if heads % kv:
+        raise KVStreamsError(
+            f"{config_file}: num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv})"
+        )
+
+
 def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu"):
     """Load a local causal LM and its tokenizer, with kvstreams' attention function installed.
 
@@ -266,8 +290,11 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu
         raise KVStreamsError(f"{str(path)!r} is not a Hugging Face model directory (no config.json)")
     try:
         config = json.loads(config_file.read_text())
-    except (OSError, json.JSONDecodeError) as err:
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
         raise KVStreamsError(f"cannot read {config_file}: {err}") from None
+    _check_config(config, config_file)
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise KVStreamsError(f"{path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
     model_type = config.get("model_type")
     architectures = config.get("architectures") or []
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -285,9 +312,14 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu
             path, local_files_only=True, dtype=_dtype(dtype), attn_implementation="kvstreams"
         )
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as err:
+    except Exception as err:  # transformers and safetensors raise many kinds for a broken directory
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise KVStreamsError(f"cannot load model from {path}: {first_line}") from None
+        raise KVStreamsError(f"cannot load model from {path}: {type(err).__name__}: {first_line}") from None
+    if len(tokenizer) > model.config.vocab_size:
+        raise KVStreamsError(
+            f"{path}: the tokenizer has {len(tokenizer)} tokens but the model's vocabulary only "
+            f"{model.config.vocab_size}: ids beyond it would index outside the embeddings"
+        )
     if getattr(model.config, "sliding_window", None) and getattr(model.config, "use_sliding_window", True):
         # Mistral-style sliding windows are one more visibility rule; until the engine records them in
         # `death`, refuse instead of replaying something the sampler did not see.
