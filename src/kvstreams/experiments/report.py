@@ -175,7 +175,23 @@ def plot_curves(
             for a in members:
                 xs, means, lows, highs = _band(runs[a.name], x)
                 line = ax.plot(xs, means, marker="o", markersize=3, label=a.label or a.name)[0]
-                ax.fill_between(xs, lows, highs, color=line.get_color(), alpha=0.15)
+                # rewards live in [0, 1]: the t-band of 3 seeds can reach beyond, the plot does not
+                ax.fill_between(
+                    xs,
+                    [max(v, 0.0) for v in lows],
+                    [min(v, 1.0) for v in highs],
+                    color=line.get_color(),
+                    alpha=0.12,
+                )
+                for r in runs[a.name]:  # every seed, thin: with 3 seeds the runs say more than the band
+                    points = [p for p in r["curve"] if REWARD in p]
+                    ax.plot(
+                        [p[x] for p in points],
+                        [p[REWARD] for p in points],
+                        color=line.get_color(),
+                        alpha=0.35,
+                        linewidth=0.7,
+                    )
             if spec.target_reward is not None:
                 ax.axhline(spec.target_reward, color="grey", linestyle=":", linewidth=1)
             ax.set_xlabel(
@@ -183,7 +199,7 @@ def plot_curves(
                     x
                 ]
             )
-            ax.set_ylabel("eval reward (sampled)")
+            ax.set_ylabel("eval reward (sampled): mean, 95% band, seeds")
             ax.grid(alpha=0.3)
         axes[0][0].legend(fontsize=7)
         fig.suptitle(f"{spec.name}: {group}", fontsize=10)
