@@ -237,3 +237,34 @@ def test_budget_that_cannot_hold_the_head_is_rejected(qwen):
         make_strategy("markovian", budget=100, keep_tokens=100)
     with pytest.raises(KVStreamsError, match="unknown compaction strategy"):
         make_strategy("nope")
+
+
+@dataclass
+class Flood(Environment):
+    """Short observations, except one far larger than the KV budget."""
+
+    def reset(self, seed: int):
+        self.turn = 0
+        return [{"role": "user", "content": "Say anything."}]
+
+    def step(self, reply: str) -> StepResult:
+        self.turn += 1
+        words = 2000 if self.turn == 2 else 8
+        text = " ".join(["word"] * words) + " END"
+        return StepResult([{"role": "user", "content": text}], 0.0, self.turn == 5, {})
+
+
+def test_an_observation_larger_than_the_budget_is_truncated_and_counted(qwen):
+    """The KV budget is a promise: the live context stays within B plus one reply even when an
+    environment answers with far more than B tokens (before, one such answer took the peak to 22x B)."""
+    model, tok = qwen
+    budget, reply = 128, 8
+    strategy = make_strategy("sliding_window", budget=budget)
+    runner = EpisodeRunner(
+        model, tok, strategy, mode="stream", sampling=SamplingParams(seed=0), max_reply_tokens=reply
+    )
+    results, stats = runner.run([Flood(), Flood()], [0, 1])
+    assert stats.observations_truncated == 2  # one per episode
+    assert stats.kv_peak_entries <= budget + reply + 1  # as with short observations
+    text = tok.decode(results[0].traces[0].tokens.tolist())
+    assert "[truncated]" in text and text.count("END") == 4  # the long one lost its end, the others not

@@ -71,6 +71,7 @@ class Episode:
     first_fill: int = 0  # tokens forwarded before the first compaction
     started: float = field(default_factory=time.perf_counter)
     error: str | None = None
+    observations_truncated: int = 0  # observations cut to fit the KV budget (_fit_observation)
 
     @property
     def live_tokens(self) -> int:
@@ -101,6 +102,7 @@ class RolloutStats:
     decode_tokens: int = 0  # tokens fed one per row per forward (the model's replies)
     decode_seconds: float = 0.0  # time in those forwards
     chunk_seconds: float = 0.0  # time in forwards of longer chunks (prompts, observations, re-prefills)
+    observations_truncated: int = 0  # observations cut to fit the KV budget
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -328,7 +330,7 @@ class EpisodeRunner:
         if time.perf_counter() - ep.started > self.episode_timeout_s:
             self._finish(ep, reason="timeout", failed=True)
             return
-        incoming = self.chat.after_reply(messages)
+        incoming = self._fit_observation(ep, messages)
         if self.mode != "full" and self.strategy is not None:
             need = len(incoming) + len(self.header) + 2 * (self.block_size - 1)
             turns = live_turns([UnitView(u.kind, u.length) for u in ep.units if u.live])
@@ -351,6 +353,33 @@ class EpisodeRunner:
                 n = self.strategy.deletion(head, views, need, trigger)
                 self._compact(ep, n_delete=n, trigger=trigger)
         self._continue(ep, incoming)
+
+    def _fit_observation(self, ep: Episode, messages: list) -> list[int]:
+        """The environment's answer as tokens, cut to fit the KV budget. The rule: an observation never
+        takes more than the budget minus what every compaction keeps (the protected head and the
+        newest reply) and the room the next reply's header needs; compaction can then always make
+        room for it, and the live context stays within B plus one reply, as with short observations.
+        A longer one keeps its beginning and ends with ``[truncated]``. Counted per episode
+        (``observations_truncated``) and per batch (``RolloutStats``, ``rollout/observations_truncated``)."""
+        incoming = self.chat.after_reply(messages)
+        if self.mode == "full" or self.strategy is None or not messages:
+            return incoming
+        head = sum(u.length for u in ep.units if u.kind == "head")
+        newest_reply = len(self.header) + self.max_reply_tokens + 1  # + its end-of-turn token
+        cap = self.strategy.b - head - newest_reply - len(self.header) - 2 * (self.block_size - 1)
+        if len(incoming) <= cap:
+            return incoming
+        last = messages[-1]
+        content = self.chat.encode(last["content"])
+        keep = len(content) - (len(incoming) - cap)
+        while keep > 0:
+            cut = {**last, "content": self.chat.decode(content[:keep]) + " [truncated]"}
+            incoming = self.chat.after_reply([*messages[:-1], cut])
+            if len(incoming) <= cap:
+                break
+            keep -= max(1, len(incoming) - cap)
+        ep.observations_truncated += 1
+        return incoming
 
     def _continue(self, ep: Episode, incoming: list[int]) -> None:
         if incoming:
@@ -469,6 +498,7 @@ class EpisodeRunner:
             decode_tokens=c.decode_tokens,
             decode_seconds=round(c.decode_seconds, 3),
             chunk_seconds=round(c.chunk_seconds, 3),
+            observations_truncated=sum(ep.observations_truncated for ep in episodes),
         )
         if events:
             stats.retained_mean = sum(e["retained"] for e in events) / len(events)

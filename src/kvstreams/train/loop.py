@@ -57,6 +57,7 @@ def rollout_metrics(batch: RolloutBatch, seconds: float) -> dict[str, float]:
         "kv/peak_entries": float(s.kv_peak_entries),
         "kv/saving": sum(x.trace.kv_saving() for x in batch.samples) / max(1, len(batch.samples)),
         "rollout/compactions": float(s.compactions),
+        "rollout/observations_truncated": float(s.observations_truncated),
         "rollout/seconds": seconds,
         "tokens/s": s.tokens_forwarded / max(seconds, 1e-9),
     }
