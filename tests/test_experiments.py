@@ -139,6 +139,9 @@ def test_comparisons_to_the_reference_are_paired_by_seed():
     ratio = summary["b"]["seconds to target / reference"]
     assert ratio["mean"] == pytest.approx((5 / 20 + 5 / 10) / 2)
     assert summary["b"]["reached target"] == "2/2"
+    # the whole run's training time: b's steps took half as long on both seeds
+    assert summary["b"]["train seconds / reference"]["mean"] == pytest.approx(0.5)
+    assert summary["b"]["tokens forwarded / reference"]["mean"] == pytest.approx(1.0)
 
 
 # --- the runner, through the command line --------------------------------------------------------------

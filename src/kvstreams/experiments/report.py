@@ -78,6 +78,16 @@ def _speed(runs, target: float, reference) -> dict[str, Any]:
     """Time and tokens to the target reward, and their ratios to the reference arm's (paired)."""
     hits = [time_to_target(r, target) for r in runs]
     out: dict[str, Any] = {"reached target": f"{sum(h is not None for h in hits)}/{len(hits)}"}
+    # the whole run's training cost (rollouts + updates, no evaluation), and its ratio to the reference
+    ref_runs = {r["seed"]: r for r in reference or []}
+    for unit, name in (("seconds", "train seconds"), ("tokens", "tokens forwarded")):
+        out[name] = mean_interval([r["curve"][-1][unit] for r in runs]).as_dict()
+        ratios = [
+            r["curve"][-1][unit] / ref_runs[r["seed"]]["curve"][-1][unit]
+            for r in runs
+            if r["seed"] in ref_runs
+        ]
+        out[f"{name} / reference"] = mean_interval(ratios).as_dict() if ratios else None
     for unit in ("seconds", "tokens"):
         iv = _interval([h[unit] if h else None for h in hits])
         out[f"{unit} to target"] = iv.as_dict() if iv else None
@@ -109,6 +119,9 @@ COLUMNS = (
     "seconds to target",
     "seconds to target / reference",
     "tokens to target / reference",
+    "train seconds",
+    "train seconds / reference",
+    "tokens forwarded / reference",
     "mismatch/k3_kl",
     "mismatch/abs_logprob_diff_max",
     "correction/discarded_seq_frac",
