@@ -336,3 +336,14 @@ def test_broken_model_directories_are_one_line(case, model_dirs, tmp_path):
     with pytest.raises(KVStreamsError, match=message) as err:
         load_model(d)
     assert "\n" not in str(err.value)
+
+
+def test_more_steps_are_a_change_only_when_they_stretch_the_schedule():
+    from kvstreams.train.loop import config_changes
+
+    old = {"train": {"steps": 2, "eval_every": 1}, "optim": {"schedule": "constant", "lr": 1e-3}}
+    assert config_changes(old, {**old, "train": {"steps": 9, "eval_every": 3}}) == {}
+    cosine = {**old, "optim": {"schedule": "cosine", "lr": 1e-3}}
+    assert config_changes(cosine, {**cosine, "train": {"steps": 9, "eval_every": 1}}) == {
+        "train.steps": [2, 9]
+    }

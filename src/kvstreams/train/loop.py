@@ -219,12 +219,16 @@ FREE_TO_CHANGE = (
 
 
 def config_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, list[Any]]:
-    """Dotted keys whose value differs between two config dumps, except :data:`FREE_TO_CHANGE`."""
+    """Dotted keys whose value differs between two config dumps, except :data:`FREE_TO_CHANGE`
+    (``train.steps`` only under a constant schedule: it stretches a linear or cosine one)."""
     a, b = _flatten(old), _flatten(new)
+    free = FREE_TO_CHANGE
+    if b.get("optim.schedule", "constant") != "constant":
+        free = tuple(k for k in FREE_TO_CHANGE if k != "train.steps")
     return {
         k: [a.get(k), b.get(k)]
         for k in sorted(set(a) | set(b))
-        if a.get(k) != b.get(k) and not k.startswith(FREE_TO_CHANGE)
+        if a.get(k) != b.get(k) and not k.startswith(free)
     }
 
 
