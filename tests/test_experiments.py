@@ -78,6 +78,7 @@ def test_a_bad_arm_is_one_line_naming_the_arm(tmp_path):
         ({"reference_arm": "zzz"}, "reference_arm"),
         ({"quick": {"arms": ["zzz"]}}, "unknown arms"),
         ({"warm_start": {"arch": "qwen3"}}, "exactly one of model"),
+        ({"evals": [{"name": "e", "measure": "telepathy"}]}, "unknown measure 'telepathy'"),
     ],
 )
 def test_inconsistent_specs_are_refused(changes, message):

@@ -2,8 +2,8 @@
 
 Each run is ``kvstreams train`` itself (same code path, no experiment-only learner) in
 ``OUT/runs/ARM/seed-S``; a finished run leaves ``result.json`` and is never redone, an interrupted
-one resumes from its last checkpoint. Runs go seed by seed (all arms of seed 0 first), so an
-experiment stopped early still holds paired comparisons.
+one resumes from its last checkpoint. The first group's arms run over every seed (seed by seed)
+before the other arms, so an experiment stopped early still holds its main comparison, paired.
 """
 
 from __future__ import annotations

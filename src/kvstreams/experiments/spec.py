@@ -106,6 +106,13 @@ class ExperimentSpec(_Table):
             raise ValueError("give exactly one of model (a directory) and [warm_start]")
         if self.reference_arm is not None and self.reference_arm not in names:
             raise ValueError(f"reference_arm {self.reference_arm!r} is not an arm")
+        from kvstreams.experiments.measures import MEASURES
+
+        for e in self.evals:
+            if e.measure is not None and e.measure not in MEASURES:
+                raise ValueError(
+                    f"evals {e.name!r}: unknown measure {e.measure!r}; one of {sorted(MEASURES)}"
+                )
         unknown = set(self.quick.arms or []) - set(names)
         if unknown:
             raise ValueError(f"quick.arms names unknown arms: {sorted(unknown)}")
