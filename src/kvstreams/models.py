@@ -292,9 +292,8 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu
         config = json.loads(config_file.read_text())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
         raise KVStreamsError(f"cannot read {config_file}: {err}") from None
-    _check_config(config, config_file)
-    if not any((path / name).is_file() for name in TOKENIZER_FILES):
-        raise KVStreamsError(f"{path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+    if not isinstance(config, dict):
+        raise KVStreamsError(f"{config_file} is not a JSON object")
     model_type = config.get("model_type")
     architectures = config.get("architectures") or []
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -304,6 +303,9 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu
         )
     if architectures and not any(a.endswith("ForCausalLM") for a in architectures):
         raise KVStreamsError(f"{path} holds {architectures[0]}, not a causal LM (…ForCausalLM)")
+    _check_config(config, config_file)
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise KVStreamsError(f"{path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
     if str(device).startswith("cuda") and not torch.cuda.is_available():
         raise KVStreamsError(f"device {device!r} requested but no CUDA device is available")
     install()
