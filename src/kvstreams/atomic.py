@@ -3,6 +3,7 @@ directory locks (one process at a time in a run directory)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -37,6 +38,15 @@ def ensure_writable(directory: Path, what: str) -> None:
         os.unlink(probe)
     except OSError as err:
         raise KVStreamsError(f"{what} {str(directory)!r} is not writable: {err.strerror or err}") from None
+
+
+def sha256(path: Path) -> str:
+    """Hex sha256 of a file, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def write_json(path: str | Path, data: object) -> Path:

@@ -17,7 +17,6 @@ kvstreams[real]``, then ``kvstreams pretrained smollm2``) does all of it.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -25,6 +24,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvstreams.atomic import sha256
 from kvstreams.errors import KVStreamsError
 
 MARKER = "kvstreams-pretrained.json"
@@ -91,14 +91,6 @@ def gguf_file(name: str = "smollm2") -> Path:
             f"{spec.distribution} is installed but has no {spec.gguf}; reinstall it ({spec.install})"
         )
     return path
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def cached(out: Path, spec: Pretrained) -> bool:

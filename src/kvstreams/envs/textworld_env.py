@@ -16,7 +16,6 @@ Knobs: ``world_size`` (rooms), ``nb_objects``, ``quest_length``, ``max_turns`` (
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import re
@@ -27,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from kvstreams.atomic import sha256
 from kvstreams.envs.base import Environment, Message, StepResult, parse_action, register
 from kvstreams.errors import KVStreamsError
 
@@ -61,14 +61,10 @@ def game_command(reply: str) -> str:
     return " ".join(command.split())[:190]  # jericho truncates (with a warning) past 197 bytes
 
 
-def _digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def write_game_digests(story: Path) -> None:
     """Record the sha256 of a generated game's story and metadata files beside them."""
     files = [story, story.with_suffix(".json")]
-    story.with_suffix(".sha256").write_text(json.dumps({f.name: _digest(f) for f in files}))
+    story.with_suffix(".sha256").write_text(json.dumps({f.name: sha256(f) for f in files}))
 
 
 def cached_game_problem(story: Path) -> str | None:
@@ -83,7 +79,7 @@ def cached_game_problem(story: Path) -> str | None:
             return "unreadable digests"
         for name, digest in expected.items():
             f = story.parent / name
-            if not f.is_file() or _digest(f) != digest:
+            if not f.is_file() or sha256(f) != digest:
                 return f"{name} does not match its digest"
         return None
     data = story.read_bytes()

@@ -17,6 +17,7 @@ from typing import Any
 from kvstreams.atomic import claim, release, write_json
 from kvstreams.experiments.spec import Arm, ExperimentSpec
 from kvstreams.train.checkpoint import latest_checkpoint
+from kvstreams.train.metrics import read_metrics
 
 CURVE_KEYS = ("eval/reward_mean", "eval/reward_greedy", "reward/mean")
 MEAN_KEYS = (  # averaged over a run's steps
@@ -200,7 +201,7 @@ def load_result(run_dir: Path) -> dict[str, Any]:
 
 
 def _rows(run_dir: Path) -> list[dict[str, Any]]:
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return read_metrics(run_dir / "metrics.jsonl")
 
 
 def _fmt(x: float | None) -> str:

@@ -9,7 +9,6 @@ so, and falls back to the previous one.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 import shutil
@@ -21,6 +20,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, load_model, save_file, save_model
 
+from kvstreams.atomic import sha256
 from kvstreams.errors import KVStreamsError
 
 PREFIX = "step-"
@@ -100,14 +100,6 @@ def _jsonable(value: Any) -> Any:
 def latest_checkpoint(out_dir: str | Path) -> Path | None:
     found = sorted(p for p in Path(out_dir).glob(f"{PREFIX}*") if (p / "state.json").is_file())
     return found[-1] if found else None
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def checkpoint_problem(path: Path) -> str | None:

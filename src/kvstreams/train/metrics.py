@@ -57,20 +57,7 @@ class MetricsLog:
             self.writer.flush()
 
     def read(self) -> list[dict[str, Any]]:
-        """The logged rows. A last line cut off by a killed process is dropped with a warning; a bad
-        line anywhere else is an error naming it."""
-        if not self.path.exists():
-            return []
-        lines = [x for x in self.path.read_text().splitlines() if x.strip()]
-        rows = []
-        for number, line in enumerate(lines, 1):
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                if number < len(lines):
-                    raise KVStreamsError(f"{self.path}: line {number} is not JSON") from None
-                print(f"kvstreams: {self.path}: dropped a cut-off last line", file=sys.stderr)
-        return rows
+        return read_metrics(self.path)
 
     def close(self) -> None:
         if self.writer is not None:
@@ -106,3 +93,20 @@ class MetricsLog:
                 written.append(path)
             plt.close(fig)
         return written
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The rows of a ``metrics.jsonl``. A last line cut off by a killed process is dropped with a
+    warning; a bad line anywhere else is an error naming it."""
+    if not path.exists():
+        return []
+    lines = [x for x in path.read_text().splitlines() if x.strip()]
+    rows = []
+    for number, line in enumerate(lines, 1):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number < len(lines):
+                raise KVStreamsError(f"{path}: line {number} is not JSON") from None
+            print(f"kvstreams: {path}: dropped a cut-off last line", file=sys.stderr)
+    return rows
