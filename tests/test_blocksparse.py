@@ -10,7 +10,7 @@ from conftest import random_prompts
 from kvstreams.compaction import STRATEGIES, make_strategy
 from kvstreams.policies import POLICIES
 from kvstreams.replay.blocksparse import block_sparse_attention, key_blocks
-from kvstreams.replay.masks import dense_visibility
+from kvstreams.visibility import dense as dense_visibility
 
 
 def random_death(B: int, H: int, T: int, seed: int) -> torch.Tensor:

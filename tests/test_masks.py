@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstreams.replay.masks import block_mask_from_death, dense_visibility
+from kvstreams.replay.masks import block_mask_from_death
+from kvstreams.visibility import dense as dense_visibility
 
 
 def random_death(B: int, H: int, T: int, seed: int) -> torch.Tensor:

@@ -102,7 +102,7 @@ def test_dense_padded_replay_is_plain_causal_attention_without_a_mask(qwen, monk
     def no_masks(*args, **kwargs):
         raise AssertionError("a mask was built for plain causal attention")
 
-    monkeypatch.setattr(replay_module, "dense_visibility", no_masks)
+    monkeypatch.setattr(replay_module.visibility, "dense", no_masks)
     monkeypatch.setattr(replay_module, "block_sparse_attention", no_masks)
     padded = replay_logprobs(model, traces, mode="dense", backend=backend)
     for a, b in zip(padded, packed, strict=True):

@@ -1,8 +1,8 @@
 """The one attention function kvstreams registers with transformers.
 
 Both the rollout engine and the learner replay run the *unmodified* Hugging Face model. They make an
-attention context active around the model call (``with attention_context(ctx): model(...)``); this
-function hands each layer's query/key/value to that context. Any other call (plain ``model(ids)``,
+attention context active around the model call (``with ctx: model(...)``, :class:`AttentionContext`);
+this function hands each layer's query/key/value to that context. Any other call (plain ``model(ids)``,
 ``generate``) takes transformers' SDPA path unchanged. A context variable, rather than the model's
 ``attention_mask`` argument, carries the context because model families treat that argument
 differently (Llama always builds a mask from it, Qwen accepts prebuilt ones).
@@ -10,41 +10,36 @@ differently (Llama always builds a mask from it, Qwen accepts prebuilt ones).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from abc import ABC, abstractmethod
 from contextvars import ContextVar
-from typing import Protocol
 
 import torch
 
 
-class AttentionContext(Protocol):
-    """What the engine's decode/prefill steps and the replay masks implement."""
+class AttentionContext(ABC):
+    """The base of kvstreams' four attention contexts: the engine's prefill, decode and chunk steps and
+    the learner's replay mask. The base owns the hook: ``with ctx: model(...)`` routes every kvstreams
+    attention layer called inside the block to ``ctx.attend``; each context implements that one
+    method (as kvpress's ``BasePress`` owns the forward hook and each press implements ``compress``).
+    """
 
+    @abstractmethod
     def attend(
-        self,
-        module: torch.nn.Module,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        scaling: float,
+        self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        """query [B, H, Q, D], key/value [B, H_kv, Q, D] (RoPE applied) -> output [B, Q, H, D]."""
-        ...
+        """Layer ``layer``'s query [B, H, Q, D], key/value [B, H_kv, Q, D] (RoPE applied) -> output
+        [B, Q, H, D] (the layout transformers expects from an attention function)."""
+
+    def __enter__(self) -> AttentionContext:
+        self._tokens = [*getattr(self, "_tokens", []), _ACTIVE.set(self)]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _ACTIVE.reset(self._tokens.pop())
 
 
 ATTN_NAME = "kvstreams"
 _ACTIVE: ContextVar[AttentionContext | None] = ContextVar("kvstreams_attention_context", default=None)
-
-
-@contextmanager
-def attention_context(ctx: AttentionContext) -> Iterator[None]:
-    """Route every kvstreams attention layer called inside the block to ``ctx``."""
-    token = _ACTIVE.set(ctx)
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
 
 
 def kvstreams_attention(
@@ -59,7 +54,7 @@ def kvstreams_attention(
     ctx = _ACTIVE.get()
     if ctx is not None:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        return ctx.attend(module, query, key, value, scale), None
+        return ctx.attend(module.layer_idx, query, key, value, scale), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)

@@ -15,8 +15,7 @@ from __future__ import annotations
 import torch
 
 from kvstreams.models import ModelShape
-
-NEVER = torch.iinfo(torch.int32).max
+from kvstreams.visibility import NEVER
 
 
 class SlotCache:

@@ -18,15 +18,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvstreams.attention import attention_context
+from kvstreams.attention import AttentionContext
 from kvstreams.engine.cache import SlotCache
 from kvstreams.engine.ops import attend_slots_fused
 from kvstreams.engine.sampling import at_least_float32
 from kvstreams.models import model_shape
 from kvstreams.trace import Trace
+from kvstreams.visibility import evicted_before
 
 
-class ChunkStep:
+class ChunkStep(AttentionContext):
     """Attention context: write each row's chunk, then attend over live slots up to each query."""
 
     def __init__(
@@ -42,14 +43,8 @@ class ChunkStep:
         self.rows = rows  # the cache rows the b batch rows are (None: all of them, in order)
 
     def attend(
-        self,
-        module: torch.nn.Module,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        scale: float,
+        self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        layer = module.layer_idx
         cache = self.cache
         if self.rows is None:
             cache.write_chunk(layer, key, value, self.write_index)
@@ -93,7 +88,7 @@ class StreamSession:
         n_rows: int,
         initial_capacity: int = 256,
         initial_length: int = 1024,
-        policy_version: int = 0,
+        weights_version: int = 0,
     ) -> None:
         self.model = model
         self.shape = model_shape(model)
@@ -101,7 +96,7 @@ class StreamSession:
         self.device = device
         self.cache = SlotCache(self.shape, n_rows, initial_capacity, initial_length, model.dtype, device)
         self.records = [Record() for _ in range(n_rows)]
-        self.policy_version = policy_version  # the weights version; appended tokens record it
+        self.weights_version = weights_version  # the weights version; appended tokens record it
         self.counters = SessionCounters(kv_peak_bytes=self.cache.kv_bytes)
 
     # --- the record ------------------------------------------------------------------------------
@@ -120,7 +115,7 @@ class StreamSession:
         rec.sampled += [sampled] * len(tokens)
         rec.loss += [loss] * len(tokens)
         rec.logprobs += logprobs if logprobs is not None else [math.nan] * len(tokens)
-        rec.versions += [self.policy_version] * len(tokens)
+        rec.versions += [self.weights_version] * len(tokens)
         return start, len(rec)
 
     def length(self, row: int) -> int:
@@ -151,7 +146,7 @@ class StreamSession:
             None if list(rows) == list(range(len(self.records))) else torch.tensor(rows, device=self.device)
         )
         step = ChunkStep(self.cache, write.to(self.device), query.to(self.device), subset)
-        with attention_context(step):
+        with step:
             logits = self.model(
                 input_ids=ids.to(self.device), position_ids=positions.to(self.device), use_cache=False
             ).logits
@@ -175,7 +170,7 @@ class StreamSession:
         """Load new weights in place between steps. The cache is kept (its K/V were computed under the
         old weights); tokens sampled from now on record ``version``."""
         self.model.load_state_dict(state_dict, strict=True)
-        self.policy_version = version
+        self.weights_version = version
 
     # --- compaction --------------------------------------------------------------------------------
     def evict(self, row: int, start: int, end: int) -> int:
@@ -186,7 +181,7 @@ class StreamSession:
         rec = self.records[row]
         if end > rec.fed:
             raise ValueError(f"cannot evict [{start}, {end}): only {rec.fed} tokens are in the cache")
-        return self.cache.evict_range(row, start, end, at=rec.fed)
+        return self.cache.evict_range(row, start, end, at=evicted_before(rec.fed))
 
     def restart(self, row: int, tokens: list[int], meta: dict[str, str]) -> Trace:
         """End the row's trace (returned) and start a new one holding ``tokens`` as context."""

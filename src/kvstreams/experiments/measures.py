@@ -14,6 +14,7 @@ from kvstreams.envs import make_env
 from kvstreams.errors import KVStreamsError
 from kvstreams.trace import Trace
 from kvstreams.train.rollouts import RolloutSource
+from kvstreams.visibility import visible
 
 Measure = Callable[[RolloutSource, int], dict[str, float]]
 MEASURES: dict[str, Measure] = {}
@@ -42,7 +43,7 @@ def visible_before_last_reply(trace: Trace) -> torch.Tensor:
     q = first - 1  # the query whose logits sampled token `first`
     death = trace.death.amin(dim=(0, 1))  # evicted anywhere: not carried for sure
     j = torch.arange(len(trace.tokens))
-    return trace.tokens[(j <= q) & (death > q)]
+    return trace.tokens[visible(q, j, death)]
 
 
 @register("fact_survival")

@@ -1,9 +1,9 @@
 """Learner replay: log-probs of traces under their recorded visibility (shadow) or causal (dense)."""
 
-from kvstreams.replay.masks import block_mask_from_death, dense_visibility
+from kvstreams.replay.masks import block_mask_from_death
 from kvstreams.replay.replay import (
     BACKENDS,
-    MODES,
+    REPLAY_MODES,
     ReplayBatch,
     ReplayMask,
     collate,
@@ -14,12 +14,11 @@ from kvstreams.replay.replay import (
 
 __all__ = [
     "BACKENDS",
-    "MODES",
+    "REPLAY_MODES",
     "ReplayBatch",
     "ReplayMask",
     "block_mask_from_death",
     "collate",
-    "dense_visibility",
     "replay_logits",
     "replay_logprobs",
     "token_logprobs",

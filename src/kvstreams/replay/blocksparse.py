@@ -40,6 +40,7 @@ from typing import Literal
 
 import torch
 
+from kvstreams import visibility
 from kvstreams.replay.masks import block_visibility, pad_death
 
 BLOCK_SIZE = 128
@@ -209,7 +210,7 @@ def _blocks(query, key, death, block_size: int):
                 rows = slice(i * block_size, min(T, (i + 1) * block_size))
                 full, partial = full[full < T], partial[partial < T]
                 positions = torch.arange(rows.start, rows.stop, device=query.device)[:, None]
-                visible = (partial[None, :] <= positions) & (positions < death[b, hd, partial][None, :])
+                visible = visibility.visible(positions, partial[None, :], death[b, hd, partial][None, :])
                 parts = [(_as_run(full), None)] if len(full) else []
                 yield _Block(b, heads, kv_heads, rows, [*parts, (_as_run(partial), visible)])
 

@@ -1,6 +1,6 @@
 """From a trace's ``death`` record to attention masks: a dense SDPA mask and a flex BlockMask.
 
-Visibility is ``visible(q, j) <=> j <= q < death[j]`` per layer and KV head. Because a key's visible
+Visibility is :func:`kvstreams.visibility.visible` per layer and KV head. Because a key's visible
 queries form one interval starting at the key itself, the block structure of the mask follows from
 per-block minima and maxima of ``death`` alone: the flex BlockMask is built in O((T / block)^2)
 memory without ever materialising the T x T mask.
@@ -10,13 +10,7 @@ from __future__ import annotations
 
 import torch
 
-
-def dense_visibility(death: torch.Tensor) -> torch.Tensor:
-    """death [..., T] -> bool [..., T(query), T(key)]. The reference (quadratic) mask."""
-    T = death.shape[-1]
-    q = torch.arange(T, device=death.device)[:, None]
-    j = torch.arange(T, device=death.device)[None, :]
-    return (j <= q) & (q < death[..., None, :])
+from kvstreams import visibility
 
 
 def pad_death(death: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -26,7 +20,7 @@ def pad_death(death: torch.Tensor, block_size: int) -> torch.Tensor:
     Tp = -(-T // block_size) * block_size
     if Tp == T:
         return death
-    pad = torch.arange(T, Tp, device=death.device, dtype=death.dtype) + 1
+    pad = visibility.self_only(torch.arange(T, Tp, device=death.device, dtype=death.dtype))
     return torch.cat([death, pad.expand(*death.shape[:-1], Tp - T)], dim=-1)
 
 
@@ -73,7 +67,7 @@ def block_mask_from_death(death: torch.Tensor, n_heads: int, block_size: int = 1
     heads_per_death = group if Hd > 1 else n_heads
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return (kv_idx <= q_idx) & (q_idx < death[b, h // heads_per_death, kv_idx])
+        return visibility.visible(q_idx, kv_idx, death[b, h // heads_per_death, kv_idx])
 
     return BlockMask.from_kv_blocks(
         kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size, mask_mod=mask_mod, seq_lengths=(T, T)

@@ -29,17 +29,18 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from kvstreams.attention import attention_context
+from kvstreams import visibility
+from kvstreams.attention import AttentionContext
 from kvstreams.engine.sampling import policy_logprobs
 from kvstreams.errors import KVStreamsError
 from kvstreams.models import model_shape
 from kvstreams.replay.blocksparse import block_sparse_attention
-from kvstreams.replay.masks import block_mask_from_death, dense_visibility
+from kvstreams.replay.masks import block_mask_from_death
 from kvstreams.trace import Trace, TraceFormatError
 
 Mode = Literal["shadow", "dense"]
 Backend = Literal["sdpa", "flex", "blocksparse"]
-MODES = ("shadow", "dense")
+REPLAY_MODES = ("shadow", "dense")
 BACKENDS = ("sdpa", "flex", "blocksparse")
 
 
@@ -76,8 +77,8 @@ def collate(
     ``multiple_of`` rounds the row width up: the flex backend compiles one kernel per shape, so
     widths are bucketed by its block size.
     """
-    if mode not in MODES:
-        raise KVStreamsError(f"unknown replay mode {mode!r}; choose {' or '.join(MODES)}")
+    if mode not in REPLAY_MODES:
+        raise KVStreamsError(f"unknown replay mode {mode!r}; choose {' or '.join(REPLAY_MODES)}")
     if not traces:
         raise KVStreamsError("nothing to replay: no traces")
     L = 1 if mode == "dense" or all(t.death.shape[0] == 1 for t in traces) else n_layers
@@ -94,7 +95,7 @@ def collate(
     tokens = torch.zeros(rows, width, dtype=torch.long)
     positions = torch.zeros(rows, width, dtype=torch.long)
     # Filler entries are visible to themselves only, so they never leak into real queries.
-    death = (torch.arange(width, dtype=torch.int32) + 1).expand(rows, L, H, width).clone()
+    death = visibility.self_only(torch.arange(width, dtype=torch.int32)).expand(rows, L, H, width).clone()
     for trace, (row, start, n) in zip(traces, spans, strict=True):
         tokens[row, start : start + n] = trace.tokens
         positions[row, start : start + n] = trace.positions
@@ -123,7 +124,7 @@ def _flex_attention():
     return _compiled_flex
 
 
-class ReplayMask:
+class ReplayMask(AttentionContext):
     """Attention context that masks every layer with its recorded visibility (``causal``: plain causal
     attention, no record needed)."""
 
@@ -143,7 +144,7 @@ class ReplayMask:
         if key not in self._masks:
             death = self.death[:, key]  # [B, H', T]
             if self.backend == "sdpa":
-                mask = dense_visibility(death)  # [B, H', T, T]
+                mask = visibility.dense(death)  # [B, H', T, T]
                 if mask.shape[1] > 1:
                     mask = mask.repeat_interleave(self.n_heads // mask.shape[1], dim=1)
                 self._masks[key] = mask
@@ -152,12 +153,7 @@ class ReplayMask:
         return self._masks[key]
 
     def attend(
-        self,
-        module: torch.nn.Module,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        scale: float,
+        self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
     ) -> torch.Tensor:
         gqa = query.shape[1] != key.shape[1]
         if self.causal:
@@ -165,7 +161,7 @@ class ReplayMask:
                 query, key, value, is_causal=True, scale=scale, enable_gqa=gqa
             )
             return out.transpose(1, 2)
-        mask = self.mask_for(module.layer_idx)
+        mask = self.mask_for(layer)
         if self.backend == "sdpa":
             out = F.scaled_dot_product_attention(
                 query, key, value, attn_mask=mask, scale=scale, enable_gqa=gqa
@@ -198,7 +194,7 @@ def replay_logits(model, batch: ReplayBatch, backend: Backend = "sdpa") -> torch
     device = next(model.parameters()).device
     batch = batch.to(device)
     ctx = ReplayMask(batch.death, backend, model_shape(model).n_heads, causal=batch.causal)
-    with attention_context(ctx):
+    with ctx:
         return model(input_ids=batch.tokens, position_ids=batch.positions, use_cache=False).logits
 
 
