@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from kvstreams.compaction import STRATEGIES, make_strategy
+from kvstreams.cost import reprefill_closed_form
 from kvstreams.engine import SamplingParams
 from kvstreams.envs import Environment, StepResult, make_env
-from kvstreams.episodes import EpisodeRunner, reprefill_closed_form
+from kvstreams.episodes import EpisodeRunner
 from kvstreams.errors import KVStreamsError
 from kvstreams.replay import replay_logprobs
 from kvstreams.verify import Agreement
@@ -186,7 +187,7 @@ def test_weight_update_mid_episode_keeps_the_cache(qwen):
         model.load_state_dict(original)
     for r in results:
         (trace,) = r.traces
-        versions = trace.policy_version
+        versions = trace.weights_version
         assert set(versions.tolist()) == {0, 1}
         first_new = int((versions == 1).nonzero()[0])
         assert bool((versions[first_new:] == 1).all())  # monotone: old tokens keep their version

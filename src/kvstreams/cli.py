@@ -151,7 +151,7 @@ def _add_sampling_args(p: argparse.ArgumentParser, episodes: int, prompt_len: in
 def _add_episode_args(p: argparse.ArgumentParser, repeat_strategy: bool = False) -> None:
     from kvstreams.compaction import STRATEGIES
     from kvstreams.envs import ENVIRONMENTS
-    from kvstreams.episodes import MODES
+    from kvstreams.episodes import COMPACTION_MODES
 
     g = p.add_argument_group("environments and compaction (multi-turn episodes)")
     g.add_argument("--env", default=None, help=f"environment, one of: {', '.join(sorted(ENVIRONMENTS))}")
@@ -167,7 +167,7 @@ def _add_episode_args(p: argparse.ArgumentParser, repeat_strategy: bool = False)
     )
     if not repeat_strategy:
         g.add_argument(
-            "--mode", default=None, choices=list(MODES), help="stream (default), reprefill or full"
+            "--mode", default=None, choices=list(COMPACTION_MODES), help="stream (default), reprefill or full"
         )
     g.add_argument(
         "--preset",

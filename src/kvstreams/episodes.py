@@ -21,25 +21,34 @@ import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Literal
 
 import torch
 
 from kvstreams.chat import ChatFormat
-from kvstreams.compaction import CompactionStrategy, UnitView, live_turns
+from kvstreams.compaction import Bridge, CompactionStrategy, Reason, UnitKind, UnitView, live_turns
+from kvstreams.cost import RolloutCost, rollout_cost
 from kvstreams.engine.sampling import SamplingParams, sample
 from kvstreams.engine.stream import StreamSession
 from kvstreams.envs.base import Environment
 from kvstreams.errors import KVStreamsError
 from kvstreams.trace import Trace
 
-Mode = Literal["stream", "reprefill", "full"]
-MODES = ("stream", "reprefill", "full")
+CompactionMode = Literal["stream", "reprefill", "full"]
+COMPACTION_MODES = ("stream", "reprefill", "full")
+
+
+class Phase(StrEnum):
+    """What the reply being written is."""
+
+    ACT = "act"  # an action, handed to the environment
+    BRIDGE = "bridge"  # a compaction bridge: the compaction waits for it
 
 
 @dataclass
 class Unit:
-    kind: str  # head | assistant | env | instruction | bridge
+    kind: UnitKind
     start: int  # [start, end) in the row's current trace
     end: int
     live: bool = True
@@ -56,10 +65,10 @@ class Episode:
     env: Environment
     generator: torch.Generator
     units: list[Unit] = field(default_factory=list)
-    phase: str = "act"  # act: the reply is an action; bridge: the reply is a compaction bridge
+    phase: Phase = Phase.ACT
     bridge_from: int = 0  # where the bridge starts in the current reply unit
     pending: list[int] | None = None  # environment tokens waiting for a compaction to finish
-    trigger: str = ""
+    reason: Reason = Reason.TOKENS  # why the pending compaction fired
     reply: list[int] = field(default_factory=list)
     reward: float = 0.0
     turns: int = 0
@@ -79,45 +88,6 @@ class Episode:
 
 
 @dataclass
-class RolloutStats:
-    """What a batch of episodes cost. Keys match ``summary.json``."""
-
-    episodes: int = 0
-    tokens_forwarded: int = 0
-    tokens_reprefilled: int = 0
-    tokens_filler: int = 0
-    tokens_trace: int = 0
-    kv_peak_entries: int = 0
-    kv_peak_bytes: int = 0
-    compactions: int = 0
-    retained_mean: float = 0.0  # r: live tokens right after a compaction
-    context_at_compaction_mean: float = 0.0  # B as it happened: live tokens when a compaction fired
-    tokens_reprefilled_predicted: float = 0.0  # N * r / (B - r), N = tokens_forwarded - tokens_reprefilled
-    tokens_first_fill: int = 0  # N0: tokens forwarded before each episode's first compaction (summed)
-    # (N - N0) * r / (B - r): the same formula over the steady state only (the first fill from 0 to B
-    # re-prefills nothing, which the closed form does not know)
-    tokens_reprefilled_predicted_steady: float = 0.0
-    reward_mean: float = 0.0
-    seconds: float = 0.0
-    decode_tokens: int = 0  # tokens fed one per row per forward (the model's replies)
-    decode_seconds: float = 0.0  # time in those forwards
-    chunk_seconds: float = 0.0  # time in forwards of longer chunks (prompts, observations, re-prefills)
-    observations_truncated: int = 0  # observations cut to fit the KV budget
-
-    def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-
-def reprefill_closed_form(new_tokens: float, retained: float, budget: float) -> float:
-    """The KV-streams paper's extra prefill of re-prefill compaction: N * r / (B - r)."""
-    if retained >= budget:
-        raise KVStreamsError(
-            f"retained r = {retained:.0f} >= budget B = {budget:.0f}: re-prefill cost diverges"
-        )
-    return new_tokens * retained / (budget - retained)
-
-
-@dataclass
 class EpisodeResult:
     episode: int
     seed: int
@@ -134,17 +104,17 @@ class EpisodeRunner:
         model,
         tokenizer,
         strategy: CompactionStrategy | None,
-        mode: Mode = "stream",
+        mode: CompactionMode = "stream",
         sampling: SamplingParams | None = None,
         block_size: int = 1,
         max_reply_tokens: int = 64,
         max_episode_tokens: int = 32768,
         episode_timeout_s: float = 600.0,
         model_name: str = "",
-        policy_version: int = 0,
+        weights_version: int = 0,
     ) -> None:
-        if mode not in MODES:
-            raise KVStreamsError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+        if mode not in COMPACTION_MODES:
+            raise KVStreamsError(f"unknown mode {mode!r}; choose one of {', '.join(COMPACTION_MODES)}")
         if mode != "full" and strategy is None:
             raise KVStreamsError(f"mode {mode!r} needs a compaction strategy")
         if block_size < 1:
@@ -162,14 +132,18 @@ class EpisodeRunner:
         self.max_episode_tokens = max_episode_tokens
         self.episode_timeout_s = episode_timeout_s
         self.model_name = model_name or str(getattr(model.config, "_name_or_path", ""))
-        self.policy_version = policy_version  # the weights version the model holds when run() starts
+        self.weights_version = weights_version  # the weights version the model holds when run() starts
         self.filler = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.chat.end_of_turn
         self.header = self.chat.assistant_header()
         self.marker_tokens: list[int] = []
-        if strategy is not None and strategy.bridge == "marker":
-            self.marker_tokens = self.chat.encode(strategy.marker)  # type: ignore[attr-defined]
+        if strategy is not None and strategy.bridge == Bridge.MARKER:
+            self.marker_tokens = self.chat.encode(strategy.bridge_marker())
         self.session: StreamSession | None = None
         self.tokens_filler = 0
+
+    @property
+    def compacting(self) -> bool:
+        return self.mode != "full" and self.strategy is not None
 
     # --- the batch loop ----------------------------------------------------------------------------
     def run(
@@ -179,7 +153,7 @@ class EpisodeRunner:
         on_step: Callable[[int, StreamSession], None] | None = None,
         progress: Callable[[int], None] | None = None,
         sample_seeds: Sequence[int] | None = None,
-    ) -> tuple[list[EpisodeResult], RolloutStats]:
+    ) -> tuple[list[EpisodeResult], RolloutCost]:
         """Run one episode per (environment, seed), all batched together.
 
         ``seeds`` seed the environments; ``sample_seeds`` (default: the same) seed each episode's
@@ -191,77 +165,87 @@ class EpisodeRunner:
         start = time.perf_counter()
         if self.strategy is not None:
             self.strategy = self.strategy.with_budget(envs[0].context_budget)
-        self.session = session = StreamSession(self.model, len(envs), policy_version=self.policy_version)
+        self.session = StreamSession(self.model, len(envs), weights_version=self.weights_version)
         self.tokens_filler = 0
         episodes = [
             Episode(i, s, env, torch.Generator().manual_seed(self.sampling.seed * 1_000_003 + ss))
             for i, (env, s, ss) in enumerate(zip(envs, seeds, sample_seeds, strict=True))
         ]
         for ep in episodes:
-            try:
-                messages = ep.env.reset(ep.seed)
-            except Exception as err:  # an environment failing must not take the batch down
-                ep.error = f"seed {ep.seed}: reset raised {type(err).__name__}: {err}"
-                self._finish(ep, reason=f"reset raised {type(err).__name__}: {err}")
-                continue
-            head = self.chat.head(messages)
-            if self.strategy is not None and self.mode != "full":
-                self.strategy.check(len(head) + self.block_size - 1)
-            self._add_unit(ep, "head", head)
-            self._start_reply(ep)
-
+            self._reset(ep)
+        # Each round: every active episode writes a reply (batched decode), then each reply is handled
+        # (environment step, maybe a compaction), which queues the next tokens to feed.
         active = [ep for ep in episodes if not ep.done]
-        logits = (
-            dict(zip((ep.index for ep in active), session.forward([ep.index for ep in active]), strict=True))
-            if active
-            else {}
-        )
         step_no = 0
         while active:
-            generating = list(active)
-            for ep in generating:
-                ep.reply = []
-            while generating:
-                still = []
-                for ep in generating:
-                    token, logprob = sample(logits[ep.index][None], self.sampling, ep.generator)
-                    tok = int(token)
-                    session.append(ep.index, [tok], sampled=True, loss=True, logprobs=[float(logprob)])
-                    ep.reply.append(tok)
-                    limit = self.max_reply_tokens if ep.phase == "act" else self._max_bridge()
-                    if tok == self.chat.end_of_turn:
-                        continue
-                    if len(ep.reply) >= limit:  # cut off: close the turn for the model
-                        session.append(ep.index, [self.chat.end_of_turn])
-                        continue
-                    still.append(ep)
-                generating = still
-                step_no += 1
-                if progress is not None:
-                    progress(1)
-                if on_step is not None:
-                    on_step(step_no, session)
-                if generating:
-                    out = session.forward([ep.index for ep in generating])
-                    logits.update(zip((ep.index for ep in generating), out, strict=True))
+            step_no = self._write_replies(active, step_no, on_step, progress)
             for ep in active:
                 self._handle_reply(ep)
             active = [ep for ep in active if not ep.done]
-            if active:
-                out = session.forward([ep.index for ep in active])
-                logits = dict(zip((ep.index for ep in active), out, strict=True))
-
         results = [
             EpisodeResult(ep.index, ep.seed, ep.reward, ep.segments, ep.info, ep.compactions, ep.error)
             for ep in episodes
         ]
-        return results, self._stats(episodes, time.perf_counter() - start)
+        return results, self._cost(episodes, time.perf_counter() - start)
 
-    def _max_bridge(self) -> int:
-        return int(getattr(self.strategy, "max_bridge_tokens", self.max_reply_tokens))
+    def _reset(self, ep: Episode) -> None:
+        """Start an episode: its environment's opening messages become the protected head."""
+        try:
+            messages = ep.env.reset(ep.seed)
+        except Exception as err:  # an environment failing must not take the batch down
+            ep.error = f"seed {ep.seed}: reset raised {type(err).__name__}: {err}"
+            self._finish(ep, reason=f"reset raised {type(err).__name__}: {err}")
+            return
+        head = self.chat.head(messages)
+        if self.compacting:
+            self.strategy.check(len(head) + self.block_size - 1)  # type: ignore[union-attr]
+        self._add_unit(ep, UnitKind.HEAD, head)
+        self._start_reply(ep)
+
+    def _write_replies(
+        self,
+        episodes: list[Episode],
+        step_no: int,
+        on_step: Callable[[int, StreamSession], None] | None,
+        progress: Callable[[int], None] | None,
+    ) -> int:
+        """Decode one reply per episode, batched: feed what each row has queued (the head or the
+        environment's answer, then one sampled token at a time) and sample from what came back, until
+        every reply ended (end of turn or its limit). Returns the decode steps taken so far."""
+        assert self.session is not None
+        session = self.session
+        for ep in episodes:
+            ep.reply = []
+        writing = list(episodes)
+        while writing:
+            logits = session.forward([ep.index for ep in writing])
+            still = []
+            for ep, row_logits in zip(writing, logits, strict=True):
+                token, logprob = sample(row_logits[None], self.sampling, ep.generator)
+                tok = int(token)
+                session.append(ep.index, [tok], sampled=True, loss=True, logprobs=[float(logprob)])
+                ep.reply.append(tok)
+                if tok == self.chat.end_of_turn:
+                    continue
+                if len(ep.reply) >= self._reply_limit(ep):  # cut off: close the turn for the model
+                    session.append(ep.index, [self.chat.end_of_turn])
+                    continue
+                still.append(ep)
+            writing = still
+            step_no += 1
+            if progress is not None:
+                progress(1)
+            if on_step is not None:
+                on_step(step_no, session)
+        return step_no
+
+    def _reply_limit(self, ep: Episode) -> int:
+        if ep.phase == Phase.BRIDGE:
+            return self.strategy.bridge_limit(self.max_reply_tokens)  # type: ignore[union-attr]
+        return self.max_reply_tokens
 
     # --- units ------------------------------------------------------------------------------------
-    def _add_unit(self, ep: Episode, kind: str, tokens: list[int]) -> Unit:
+    def _add_unit(self, ep: Episode, kind: UnitKind, tokens: list[int]) -> Unit:
         assert self.session is not None
         start, end = self.session.append(ep.index, tokens)
         unit = Unit(kind, start, end)
@@ -281,7 +265,7 @@ class EpisodeRunner:
     def _start_reply(self, ep: Episode, forced: list[int] | None = None) -> None:
         assert self.session is not None
         start, _ = self.session.append(ep.index, self.header + (forced or []))
-        ep.units.append(Unit("assistant", start, start))  # grows as the model writes
+        ep.units.append(Unit(UnitKind.ASSISTANT, start, start))  # grows as the model writes
         ep.bridge_from = start if not forced else start + len(self.header) + len(forced)
 
     def _close_reply(self, ep: Episode) -> Unit:
@@ -293,66 +277,77 @@ class EpisodeRunner:
 
     # --- one reply ----------------------------------------------------------------------------------
     def _handle_reply(self, ep: Episode) -> None:
-        assert self.session is not None
+        """A reply is written: finish a pending compaction with it (a bridge), compact if the model
+        wrote its marker, or hand it to the environment and queue the answer."""
         reply = self._close_reply(ep)
-        text = self.chat.decode([t for t in ep.reply if t != self.chat.end_of_turn])
-        if ep.phase == "bridge":
-            self._compact(ep, bridge_from=ep.bridge_from, trigger=ep.trigger)
-            ep.phase = "act"
+        if ep.phase == Phase.BRIDGE:
+            self._compact(ep, reason=ep.reason, bridge_from=ep.bridge_from)
+            ep.phase = Phase.ACT
             self._continue(ep, ep.pending or [])
             ep.pending = None
             return
         if self.mode != "full" and self.marker_tokens:
             marker_end = self._marker_end(ep, reply)
             if marker_end is not None:  # the model decided to compact: this reply is a bridge
-                self._compact(ep, bridge_from=marker_end, trigger="model")
+                self._compact(ep, reason=Reason.MODEL, bridge_from=marker_end)
                 self._start_reply(ep)
                 return
+        messages = self._step_env(ep)
+        if messages is None:
+            return
+        incoming = self._fit_observation(ep, messages)
+        if self.compacting and self._maybe_compact(ep, incoming):
+            return  # a bridge is asked for first; the answer waits in ep.pending
+        self._continue(ep, incoming)
+
+    def _step_env(self, ep: Episode) -> list | None:
+        """Hand the reply to the environment; its answer's messages, or None when the episode ended."""
+        assert self.session is not None
+        text = self.chat.decode([t for t in ep.reply if t != self.chat.end_of_turn])
         try:
             messages, reward, done, info = ep.env.step(text)
         except Exception as err:
             ep.error = f"seed {ep.seed}: step raised {type(err).__name__}: {err}"
             self._finish(ep, reason=f"step raised {type(err).__name__}: {err}", failed=True)
-            return
+            return None
         ep.reward += float(reward)
         ep.turns += 1
         ep.turns_since_compaction += 1
         ep.info.update(info)
         if done:
             self._finish(ep, reason="done")
-            return
-        if ep.turns >= ep.env.max_turns:
+        elif ep.turns >= ep.env.max_turns:
             self._finish(ep, reason="max_turns")
-            return
-        if self.session.length(ep.index) > self.max_episode_tokens:
+        elif self.session.length(ep.index) > self.max_episode_tokens:
             self._finish(ep, reason="max_episode_tokens", failed=True)
-            return
-        if time.perf_counter() - ep.started > self.episode_timeout_s:
+        elif time.perf_counter() - ep.started > self.episode_timeout_s:
             self._finish(ep, reason="timeout", failed=True)
-            return
-        incoming = self._fit_observation(ep, messages)
-        if self.mode != "full" and self.strategy is not None:
-            need = len(incoming) + len(self.header) + 2 * (self.block_size - 1)
-            turns = live_turns([UnitView(u.kind, u.length) for u in ep.units if u.live])
-            trigger = self.strategy.trigger(ep.live_tokens, need, ep.turns_since_compaction, turns)
-            if trigger is not None:
-                if self.strategy.bridge is not None:
-                    ep.phase, ep.pending, ep.trigger = "bridge", incoming, trigger
-                    if self.strategy.bridge == "instruction":
-                        instruction = self.chat.after_reply(
-                            [{"role": "user", "content": self.strategy.instruction}]  # type: ignore[attr-defined]
-                        )
-                        self._add_unit(ep, "instruction", instruction)
-                        self._start_reply(ep)
-                    else:  # the model did not compact in time: write its marker for it
-                        self._start_reply(ep, forced=self.marker_tokens)
-                    return
-                live = [u for u in ep.units if u.live]
-                head = sum(u.length for u in live if u.kind == "head")
-                views = [UnitView(u.kind, u.length) for u in live if u.kind != "head"]
-                n = self.strategy.deletion(head, views, need, trigger)
-                self._compact(ep, n_delete=n, trigger=trigger)
-        self._continue(ep, incoming)
+        return None if ep.done else messages
+
+    def _maybe_compact(self, ep: Episode, incoming: list[int]) -> bool:
+        """Compact before ``incoming`` joins the context if the strategy's trigger fires. Returns True
+        when a bridge must be written first (the compaction then finishes in :meth:`_handle_reply`)."""
+        strategy = self.strategy
+        assert strategy is not None
+        need = len(incoming) + len(self.header) + 2 * (self.block_size - 1)
+        live = [u for u in ep.units if u.live]
+        turns = live_turns([UnitView(u.kind, u.length) for u in live])
+        reason = strategy.when.fires(ep.live_tokens, need, ep.turns_since_compaction, turns)
+        if reason is None:
+            return False
+        if strategy.bridge is not None:
+            ep.phase, ep.pending, ep.reason = Phase.BRIDGE, incoming, reason
+            if strategy.bridge == Bridge.INSTRUCTION:
+                request = self.chat.after_reply([{"role": "user", "content": strategy.bridge_request()}])
+                self._add_unit(ep, UnitKind.INSTRUCTION, request)
+                self._start_reply(ep)
+            else:  # the model did not compact in time: write its marker for it
+                self._start_reply(ep, forced=self.marker_tokens)
+            return True
+        head = sum(u.length for u in live if u.kind == UnitKind.HEAD)
+        views = [UnitView(u.kind, u.length) for u in live if u.kind != UnitKind.HEAD]
+        self._compact(ep, reason=reason, n_delete=strategy.deletion(head, views, need, reason))
+        return False
 
     def _fit_observation(self, ep: Episode, messages: list) -> list[int]:
         """The environment's answer as tokens, cut to fit the KV budget. The rule: an observation never
@@ -360,13 +355,14 @@ class EpisodeRunner:
         newest reply) and the room the next reply's header needs; compaction can then always make
         room for it, and the live context stays within B plus one reply, as with short observations.
         A longer one keeps its beginning and ends with ``[truncated]``. Counted per episode
-        (``observations_truncated``) and per batch (``RolloutStats``, ``rollout/observations_truncated``)."""
+        (``observations_truncated``) and per batch (``RolloutCost``, ``rollout/observations_truncated``)."""
         incoming = self.chat.after_reply(messages)
-        if self.mode == "full" or self.strategy is None or not messages:
+        if not self.compacting or not messages:
             return incoming
-        head = sum(u.length for u in ep.units if u.kind == "head")
+        head = sum(u.length for u in ep.units if u.kind == UnitKind.HEAD)
         newest_reply = len(self.header) + self.max_reply_tokens + 1  # + its end-of-turn token
-        cap = self.strategy.b - head - newest_reply - len(self.header) - 2 * (self.block_size - 1)
+        cap = self.strategy.budget_tokens - head  # type: ignore[union-attr]
+        cap -= newest_reply + len(self.header) + 2 * (self.block_size - 1)
         if len(incoming) <= cap:
             return incoming
         last = messages[-1]
@@ -383,12 +379,12 @@ class EpisodeRunner:
 
     def _continue(self, ep: Episode, incoming: list[int]) -> None:
         if incoming:
-            self._add_unit(ep, "env", incoming)
+            self._add_unit(ep, UnitKind.ENV, incoming)
         self._start_reply(ep)
 
     def _marker_end(self, ep: Episode, reply: Unit) -> int | None:
         """Trace index right after the marker in the reply, if the model wrote one."""
-        marker = self.strategy.marker  # type: ignore[union-attr]
+        marker = self.strategy.bridge_marker()  # type: ignore[union-attr]
         tokens = ep.reply
         if marker not in self.chat.decode(tokens):
             return None
@@ -398,7 +394,9 @@ class EpisodeRunner:
         return None
 
     # --- compaction ---------------------------------------------------------------------------------
-    def _compact(self, ep: Episode, trigger: str, n_delete: int = 0, bridge_from: int | None = None) -> None:
+    def _compact(
+        self, ep: Episode, reason: Reason, n_delete: int = 0, bridge_from: int | None = None
+    ) -> None:
         """Delete the oldest live units after the head: ``n_delete`` of them, or, with a bridge, everything
         before ``bridge_from`` (splitting the reply unit that holds the bridge)."""
         assert self.session is not None and self.strategy is not None
@@ -406,18 +404,18 @@ class EpisodeRunner:
         live_before = ep.live_tokens  # the context at its peak: B in the closed form N * r / (B - r)
         if not ep.compactions:
             ep.first_fill = session.records[row].fed
-        live = [u for u in ep.units if u.live and u.kind != "head"]
+        live = [u for u in ep.units if u.live and u.kind != UnitKind.HEAD]
         bridge: Unit | None = None
         if bridge_from is not None:
             last = ep.units[-1]
-            bridge = Unit("bridge", bridge_from, last.end)
+            bridge = Unit(UnitKind.BRIDGE, bridge_from, last.end)
             last.end = bridge_from
             ep.units.append(bridge)
             # the instruction and the reply's part before the bridge always go; of the older units, the
             # strategy decides (all of them, or the oldest turns after a turn trigger)
-            older = [u for u in live if u is not last and u.kind != "instruction"]
-            head = sum(u.length for u in ep.units if u.live and u.kind == "head")
-            n = self.strategy.deletion(head, [UnitView(u.kind, u.length) for u in older], 0, trigger)
+            older = [u for u in live if u is not last and u.kind != UnitKind.INSTRUCTION]
+            head = sum(u.length for u in ep.units if u.live and u.kind == UnitKind.HEAD)
+            n = self.strategy.deletion(head, [UnitView(u.kind, u.length) for u in older], 0, reason)
             kept = {id(u) for u in older[n:]}
             doomed = [u for u in live if u.length > 0 and id(u) not in kept]
         else:
@@ -427,7 +425,7 @@ class EpisodeRunner:
             u.live = False
         event: dict[str, Any] = {
             "kind": self.strategy.name,
-            "trigger": trigger,
+            "trigger": reason,
             "step": ep.turns,
             "deleted": deleted,
             "bridge": [bridge.start, bridge.end] if bridge else None,
@@ -480,35 +478,15 @@ class EpisodeRunner:
             "events": json.dumps(events),
         }
 
-    def _stats(self, episodes: list[Episode], seconds: float) -> RolloutStats:
+    def _cost(self, episodes: list[Episode], seconds: float) -> RolloutCost:
         assert self.session is not None
-        c = self.session.counters
-        events = [e for ep in episodes for e in ep.compactions]
-        stats = RolloutStats(
-            episodes=len(episodes),
-            tokens_forwarded=c.tokens_forwarded,
-            tokens_reprefilled=c.tokens_reprefilled,
+        return rollout_cost(
+            self.session.counters,
+            rewards=[ep.reward for ep in episodes],
+            events=[e for ep in episodes for e in ep.compactions],
+            first_fill=sum(ep.first_fill for ep in episodes if ep.compactions),
             tokens_filler=self.tokens_filler,
             tokens_trace=sum(len(t) for ep in episodes for t in ep.segments),
-            kv_peak_entries=c.kv_peak_entries,
-            kv_peak_bytes=c.kv_peak_bytes,
-            compactions=len(events),
-            reward_mean=sum(ep.reward for ep in episodes) / len(episodes),
             seconds=round(seconds, 3),
-            decode_tokens=c.decode_tokens,
-            decode_seconds=round(c.decode_seconds, 3),
-            chunk_seconds=round(c.chunk_seconds, 3),
             observations_truncated=sum(ep.observations_truncated for ep in episodes),
         )
-        if events:
-            stats.retained_mean = sum(e["retained"] for e in events) / len(events)
-            stats.context_at_compaction_mean = sum(e["live_before"] for e in events) / len(events)
-            stats.tokens_first_fill = sum(ep.first_fill for ep in episodes if ep.compactions)
-            if stats.retained_mean < stats.context_at_compaction_mean:
-                new_tokens = c.tokens_forwarded - c.tokens_reprefilled
-                r, b = stats.retained_mean, stats.context_at_compaction_mean
-                stats.tokens_reprefilled_predicted = reprefill_closed_form(new_tokens, r, b)
-                stats.tokens_reprefilled_predicted_steady = reprefill_closed_form(
-                    new_tokens - stats.tokens_first_fill, r, b
-                )
-        return stats

@@ -20,8 +20,6 @@ from typing import Any
 from kvstreams.bench.models import bench_model, parameter_count
 from kvstreams.bench.report import BenchReport, Target, progress_bar, save_figure
 
-MODES = ("stream", "reprefill", "full")
-
 
 @dataclass(frozen=True)
 class Point:
@@ -136,7 +134,7 @@ def play(
         max_reply_tokens=settings.max_reply_tokens,
     )
     _, st = runner.run(envs, [settings.seed + i for i in range(episodes)])
-    budget = runner.strategy.b if runner.strategy is not None else None
+    budget = runner.strategy.budget_tokens if runner.strategy is not None else None
     retained = st.retained_mean / st.context_at_compaction_mean if st.compactions else None
     predicted = st.tokens_reprefilled_predicted if mode == "reprefill" else None
     steady = st.tokens_reprefilled_predicted_steady if mode == "reprefill" else None
@@ -229,46 +227,59 @@ def bench_rollout(settings: RolloutBenchSettings, models_dir: str | Path, out_di
                 step(f"{point.model} {point.env} full context")
                 full_rows[key] = play(model, tok, point, "full", settings)
                 runs.rows.append(full_rows[key])
-            s, r, f = rows["stream"], rows["reprefill"], full_rows.get(key)
-            rb = r["r/B"]
             ratios.rows.append(
-                {
-                    "model": point.model,
-                    "env": point.env,
-                    "strategy": point.label,
-                    "B": s["B"],
-                    "turns": point.turns,
-                    "r/B": rb,
-                    "B/(B-r)": 1 / (1 - rb) if rb is not None and rb < 1 else None,
-                    "tokens reprefill/stream": r["tokens fwd"] / s["tokens fwd"],
-                    "wall reprefill/stream": r["seconds"] / s["seconds"],
-                    "wall full/stream": f["seconds"] / s["seconds"] if f else None,
-                    "filler b=1": s["filler"],
-                    "filler b=16": blocked["filler"] if blocked else None,
-                    "filler b=16 %": 100 * blocked["filler"] / blocked["trace tokens"] if blocked else None,
-                    "stream compactions/ep": s["compactions/ep"],
-                }
+                _ratio_row(point, rows["stream"], rows["reprefill"], full_rows.get(key), blocked)
             )
         if settings.kv_turns:
             model, tok = models.get("tiny") or load_model(bench_model("tiny", models_dir))
-            for turns in settings.kv_turns:
-                point = Point("tiny", "memory", "sliding_window", episodes=settings.kv_episodes, turns=turns)
-                for mode in ("stream", "full"):
-                    step(f"KV growth: {mode}, {turns} turns")
-                    row = play(model, tok, point, mode, settings)
-                    growth.rows.append(
-                        {
-                            "mode": mode,
-                            "turns": turns,
-                            "trace tokens": row["trace tokens"] // settings.kv_episodes,
-                            "peak KV entries": row["peak KV entries"],
-                            "peak KV MB": row["peak KV MB"],
-                        }
-                    )
+            growth.rows += _kv_growth(model, tok, settings, step)
     _targets(report, runs.rows, ratios.rows, growth.rows)
     report.plots = _plots(ratios.rows, growth.rows, Path(out_dir))
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _ratio_row(point: Point, s: dict, r: dict, f: dict | None, blocked: dict | None) -> dict[str, Any]:
+    """One point's re-prefill (``r``) and full-context (``f``) runs relative to its stream run (``s``);
+    ``blocked``: the stream run with block-padded units (filler counts)."""
+    rb = r["r/B"]
+    return {
+        "model": point.model,
+        "env": point.env,
+        "strategy": point.label,
+        "B": s["B"],
+        "turns": point.turns,
+        "r/B": rb,
+        "B/(B-r)": 1 / (1 - rb) if rb is not None and rb < 1 else None,
+        "tokens reprefill/stream": r["tokens fwd"] / s["tokens fwd"],
+        "wall reprefill/stream": r["seconds"] / s["seconds"],
+        "wall full/stream": f["seconds"] / s["seconds"] if f else None,
+        "filler b=1": s["filler"],
+        "filler b=16": blocked["filler"] if blocked else None,
+        "filler b=16 %": 100 * blocked["filler"] / blocked["trace tokens"] if blocked else None,
+        "stream compactions/ep": s["compactions/ep"],
+    }
+
+
+def _kv_growth(model, tok, settings: RolloutBenchSettings, step) -> list[dict[str, Any]]:
+    """Peak KV against episode length (tiny model, memory, sliding window): stream stays flat, full
+    context grows with the turns."""
+    rows = []
+    for turns in settings.kv_turns:
+        point = Point("tiny", "memory", "sliding_window", episodes=settings.kv_episodes, turns=turns)
+        for mode in ("stream", "full"):
+            step(f"KV growth: {mode}, {turns} turns")
+            row = play(model, tok, point, mode, settings)
+            rows.append(
+                {
+                    "mode": mode,
+                    "turns": turns,
+                    "trace tokens": row["trace tokens"] // settings.kv_episodes,
+                    "peak KV entries": row["peak KV entries"],
+                    "peak KV MB": row["peak KV MB"],
+                }
+            )
+    return rows
 
 
 def _targets(report: BenchReport, runs: list[dict], ratios: list[dict], growth: list[dict]) -> None:

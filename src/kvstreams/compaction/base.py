@@ -1,10 +1,14 @@
 """The compaction-strategy interface and registry (the KV-streams paper's kappa = gen o del).
 
-A strategy decides *when* an episode's context is compacted (a token budget ``budget``, optionally a
-turn budget, and for ``model_triggered`` the model's own decision) and *what* is deleted: always the
-oldest live units after the protected head (the first message: system + task). Strategies with a
-bridge have the model generate it first (a summary after an instruction, or what follows a marker);
-the bridge stays, the span before it goes.
+A strategy decides *what* is deleted when an episode's context is compacted: always the oldest live
+units after the protected head (the first message: system + task), how many is the strategy's one
+method, :meth:`CompactionStrategy.units_to_delete`. *When* is its :class:`~.trigger.Trigger`
+(``strategy.when``: a token budget, optionally turn limits), configured by the same fields so that
+configs stay flat. Strategies with a bridge (:class:`Bridge`) have the model generate it first (a
+summary after an instruction, or what follows a marker); the bridge stays, the span before it goes.
+The bridge protocol (:meth:`~CompactionStrategy.bridge_request`,
+:meth:`~CompactionStrategy.bridge_marker`, :meth:`~CompactionStrategy.bridge_limit`) is declared here,
+so the episode runner never reaches into a subclass.
 
 The runner applies the decision in one of three modes (``stream``: evict in place, one trace;
 ``reprefill``: new trace from the retained tokens; ``full``: never compact).
@@ -14,25 +18,44 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, ClassVar
 
+from kvstreams.compaction.trigger import Reason, Trigger
 from kvstreams.errors import KVStreamsError
 from kvstreams.registry import Registry
 
 
+class UnitKind(StrEnum):
+    """What a message of an episode's context is."""
+
+    HEAD = "head"  # the protected first message (system + task): never deleted
+    ASSISTANT = "assistant"  # a reply of the model
+    ENV = "env"  # the environment's answer
+    INSTRUCTION = "instruction"  # a compaction instruction (summary strategies)
+    BRIDGE = "bridge"  # what the model wrote to carry state across a compaction
+
+
+class Bridge(StrEnum):
+    """How a strategy's bridge is asked for."""
+
+    INSTRUCTION = "instruction"  # an instruction message asks the model to write it
+    MARKER = "marker"  # the model writes the strategy's marker; what follows is the bridge
+
+
 @dataclass(frozen=True)
 class UnitView:
-    """One live message of the context after the head: ``kind`` is assistant, env, instruction or bridge."""
+    """One live message of the context after the head."""
 
-    kind: str
+    kind: UnitKind
     length: int
 
 
 @dataclass
 class CompactionStrategy:
     name: ClassVar[str] = "base"
-    #: None, "instruction" (the model summarises after an instruction) or "marker" (the model's own marker)
-    bridge: ClassVar[str | None] = None
+    #: None: no bridge; else how the model is asked to write one
+    bridge: ClassVar[Bridge | None] = None
 
     #: named settings (``make_strategy(name, preset=...)``): "kvstreams" is the KV-streams authors'
     #: configuration of the strategy (their released TextWorld configs)
@@ -63,25 +86,21 @@ class CompactionStrategy:
         return self if self.budget is not None else dataclasses.replace(self, budget=budget)
 
     @property
-    def b(self) -> int:
+    def budget_tokens(self) -> int:
+        """The token budget B in force (``budget``, or the environment's once :meth:`with_budget` ran)."""
         if self.budget is None:
             raise KVStreamsError(f"{self.name}: no budget set (use with_budget)")
         return self.budget
 
-    def trigger(self, live: int, incoming: int, turns_since: int, live_turns: int = 0) -> str | None:
-        """Why to compact now ("turns" or "tokens"), or None. ``live_turns``: turns in the context."""
-        if self.max_turns and live_turns >= self.max_turns:
-            return "turns"
-        if self.turn_budget and turns_since >= self.turn_budget:
-            return "turns"
-        if live + incoming > self.b:
-            return "tokens"
-        return None
+    @property
+    def when(self) -> Trigger:
+        """When to compact: the trigger these fields configure."""
+        return Trigger(self.budget_tokens, self.turn_budget, self.max_turns)
 
-    def deletion(self, head: int, units: list[UnitView], incoming: int, trigger: str) -> int:
+    def deletion(self, head: int, units: list[UnitView], incoming: int, reason: Reason) -> int:
         """How many of the oldest live units after the head go: the oldest ``drop_turns`` turns when a
         turn trigger fired and ``drop_turns`` is set, else the strategy's own :meth:`units_to_delete`."""
-        if trigger == "turns" and self.drop_turns:
+        if reason == Reason.TURNS and self.drop_turns:
             return units_of_oldest_turns(units, self.drop_turns)
         return self.units_to_delete(head, units, incoming)
 
@@ -91,16 +110,29 @@ class CompactionStrategy:
         before the bridge."""
         raise NotImplementedError
 
+    # --- the bridge protocol (strategies with ``bridge`` set override what they use) ---------------
+    def bridge_request(self) -> str:
+        """:attr:`Bridge.INSTRUCTION`: the message asking the model to write its bridge."""
+        raise KVStreamsError(f"{self.name}: no bridge instruction (bridge is {self.bridge})")
+
+    def bridge_marker(self) -> str:
+        """:attr:`Bridge.MARKER`: the text after which the model's reply is the bridge."""
+        raise KVStreamsError(f"{self.name}: no bridge marker (bridge is {self.bridge})")
+
+    def bridge_limit(self, max_reply_tokens: int) -> int:
+        """The most tokens a bridge may take (a reply's limit unless the strategy sets its own)."""
+        return max_reply_tokens
+
     def min_retained(self, head: int) -> int:
         """The least a compaction can keep (head + what the strategy always keeps): must stay < budget."""
         return head
 
     def check(self, head: int) -> None:
         r = self.min_retained(head)
-        if r >= self.b:
+        if r >= self.budget_tokens:
             raise KVStreamsError(
                 f"{self.name}: retained context r = {r} tokens (head {head} + what the strategy keeps) is not "
-                f"below the budget B = {self.b}; re-prefill cost N*r/(B-r) would diverge and compaction "
+                f"below the budget B = {self.budget_tokens}; re-prefill cost N*r/(B-r) would diverge and compaction "
                 "could never make room. Raise the budget or keep less."
             )
 
@@ -113,7 +145,7 @@ def units_of_oldest_turns(units: list[UnitView], turns: int) -> int:
     that starts turn ``turns + 1`` (earlier bridges included). The newest unit always stays."""
     replies = 0
     for i, unit in enumerate(units):
-        if unit.kind == "assistant":
+        if unit.kind == UnitKind.ASSISTANT:
             replies += 1
             if replies > turns:
                 return i
@@ -121,7 +153,7 @@ def units_of_oldest_turns(units: list[UnitView], turns: int) -> int:
 
 
 def live_turns(units: list[UnitView]) -> int:
-    return sum(u.kind == "assistant" for u in units)
+    return sum(u.kind == UnitKind.ASSISTANT for u in units)
 
 
 _REGISTRY: Registry[CompactionStrategy] = Registry("compaction strategy")

@@ -42,7 +42,7 @@ class Markovian(CompactionStrategy):
 
     @property
     def keep(self) -> int:
-        return self.keep_tokens if self.keep_tokens is not None else self.b // 3
+        return self.keep_tokens if self.keep_tokens is not None else self.budget_tokens // 3
 
     def units_to_delete(self, head: int, units: list[UnitView], incoming: int) -> int:
         kept, n_keep = 0, 0

@@ -13,14 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvstreams.compaction.base import CompactionStrategy, UnitView, register
+from kvstreams.compaction.base import Bridge, CompactionStrategy, UnitView, register
 from kvstreams.errors import KVStreamsError
 
 
 @register("model_triggered")
 @dataclass
 class ModelTriggered(CompactionStrategy):
-    bridge: ClassVar[str | None] = "marker"
+    bridge: ClassVar[Bridge | None] = Bridge.MARKER
 
     marker: str = "<compact>"
     max_bridge_tokens: int = 64
@@ -29,6 +29,12 @@ class ModelTriggered(CompactionStrategy):
         super().__post_init__()
         if not self.marker:
             raise KVStreamsError("model_triggered: marker must not be empty")
+
+    def bridge_marker(self) -> str:
+        return self.marker
+
+    def bridge_limit(self, max_reply_tokens: int) -> int:
+        return self.max_bridge_tokens
 
     def units_to_delete(self, head: int, units: list[UnitView], incoming: int) -> int:
         return len(units)  # everything before the marker

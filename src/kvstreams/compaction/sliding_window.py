@@ -36,7 +36,7 @@ class SlidingWindow(CompactionStrategy):
     def units_to_delete(self, head: int, units: list[UnitView], incoming: int) -> int:
         live = head + sum(u.length for u in units)
         n = 0
-        while n < len(units) - 1 and live + incoming > self.b:
+        while n < len(units) - 1 and live + incoming > self.budget_tokens:
             step = min(2 * self.stride, len(units) - 1 - n)  # a turn is two units: reply + answer
             live -= sum(u.length for u in units[n : n + step])
             n += step

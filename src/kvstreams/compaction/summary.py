@@ -17,14 +17,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from kvstreams.compaction.base import CompactionStrategy, UnitView, register
+from kvstreams.compaction.base import Bridge, CompactionStrategy, UnitView, register
 from kvstreams.errors import KVStreamsError
 
 
 @register("summary")
 @dataclass
 class Summary(CompactionStrategy):
-    bridge: ClassVar[str | None] = "instruction"
+    bridge: ClassVar[Bridge | None] = Bridge.INSTRUCTION
     presets: ClassVar[dict[str, dict[str, Any]]] = {
         "kvstreams": {"max_turns": 8, "drop_turns": 5, "max_bridge_tokens": 1024, "budget": 32768}
     }
@@ -39,6 +39,12 @@ class Summary(CompactionStrategy):
         super().__post_init__()
         if self.max_bridge_tokens < 1:
             raise KVStreamsError(f"summary: max_bridge_tokens must be >= 1, got {self.max_bridge_tokens}")
+
+    def bridge_request(self) -> str:
+        return self.instruction
+
+    def bridge_limit(self, max_reply_tokens: int) -> int:
+        return self.max_bridge_tokens
 
     def units_to_delete(self, head: int, units: list[UnitView], incoming: int) -> int:
         return len(units)  # everything before the bridge
