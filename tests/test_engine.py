@@ -255,11 +255,11 @@ def test_budget_too_small_for_protected_entries(qwen):
         engine.generate(random_prompts(1, 20), SamplingParams(max_new_tokens=50))
 
 
-def test_policy_version_is_recorded_and_follows_mid_generation_updates(qwen):
+def test_weights_version_is_recorded_and_follows_mid_generation_updates(qwen):
     model, tok = qwen
-    engine = RolloutEngine(model, tok, policy_version=3)
+    engine = RolloutEngine(model, tok, weights_version=3)
     (trace,) = engine.generate(random_prompts(1, 10), SamplingParams(max_new_tokens=5, stop_token_ids=()))
-    assert trace.policy_version is not None and bool((trace.policy_version == 3).all())
+    assert trace.weights_version is not None and bool((trace.weights_version == 3).all())
 
     state = {k: v.clone() for k, v in model.state_dict().items()}
 
@@ -270,7 +270,7 @@ def test_policy_version_is_recorded_and_follows_mid_generation_updates(qwen):
     (trace,) = engine.generate(
         random_prompts(1, 10), SamplingParams(max_new_tokens=5, stop_token_ids=()), on_step=update_after_two
     )
-    assert trace.policy_version[trace.sampled_mask].tolist() == [3, 3, 4, 4, 4]
+    assert trace.weights_version[trace.sampled_mask].tolist() == [3, 3, 4, 4, 4]
 
 
 def test_prefill_holds_one_layer_of_prompt_kv_at_a_time(tmp_path):

@@ -28,7 +28,7 @@ def make_trace(T: int = 10, L: int = 2, H: int = 2) -> Trace:
         sampled_mask=sampled,
         loss_mask=sampled.clone(),
         sampler_logprobs=lp.float(),
-        policy_version=torch.zeros(T, dtype=torch.int32),
+        weights_version=torch.zeros(T, dtype=torch.int32),
         metadata={"format": FORMAT, "temperature": "1.0", "policy": "snapkv", "mode": "stream", "model": "m"},
     )
 
@@ -37,13 +37,23 @@ def test_round_trip(tmp_path):
     trace = make_trace()
     path = trace.save(tmp_path / "t.safetensors")
     loaded = Trace.load(path)
-    for name in ("tokens", "positions", "death", "sampled_mask", "loss_mask", "policy_version"):
+    for name in ("tokens", "positions", "death", "sampled_mask", "loss_mask", "weights_version"):
         assert torch.equal(getattr(loaded, name), getattr(trace, name))
     assert torch.equal(loaded.sampler_logprobs.isnan(), trace.sampler_logprobs.isnan())
     m = trace.sampled_mask
     assert torch.equal(loaded.sampler_logprobs[m], trace.sampler_logprobs[m])
     assert loaded.metadata == trace.metadata
     assert [p.name for p in tmp_path.iterdir()] == ["t.safetensors"]  # no temp files left
+
+
+def test_files_written_before_the_weights_version_rename_still_load(tmp_path):
+    trace = make_trace()
+    trace.weights_version = torch.arange(len(trace), dtype=torch.int32)
+    tensors = trace.tensors()
+    tensors["policy_version"] = tensors.pop("weights_version")  # the name earlier files used
+    save_file(tensors, str(tmp_path / "old.safetensors"), metadata=trace.metadata)
+    loaded = Trace.load(tmp_path / "old.safetensors")
+    assert torch.equal(loaded.weights_version, trace.weights_version)
 
 
 def test_visibility_semantics():

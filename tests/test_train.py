@@ -371,7 +371,7 @@ def test_async_token_sampled_after_a_mid_episode_update_carries_the_new_version(
     finally:
         producer.close()
     for sample in batch.samples:
-        v = sample.trace.policy_version[sample.trace.sampled_mask]
+        v = sample.trace.weights_version[sample.trace.sampled_mask]
         assert v[0] == 0 and v[-1] == 1  # the episode ran across the update ...
         assert bool((v[1:] >= v[:-1]).all())  # ... and every token after it carries version 1
         assert int((v == 0).sum()) == 8  # the 8 decode steps before the update
@@ -380,7 +380,7 @@ def test_async_token_sampled_after_a_mid_episode_update_carries_the_new_version(
 
 
 def test_stale_groups_are_dropped_whole():
-    from kvstreams.episodes import RolloutStats
+    from kvstreams.cost import RolloutCost
     from kvstreams.trace import Trace
     from kvstreams.train.prepare import stale_groups
     from kvstreams.train.rollouts import RolloutBatch, Sample
@@ -403,7 +403,7 @@ def test_stale_groups_are_dropped_whole():
         Sample(trace([6, 7]), 1, 2, 1.0),
         Sample(trace([7, 7]), 1, 3, 0.0),
     ]
-    batch = RolloutBatch(samples, [1.0, 0.0, 1.0, 0.0], RolloutStats())
+    batch = RolloutBatch(samples, [1.0, 0.0, 1.0, 0.0], RolloutCost())
     stale, m = stale_groups(batch, step=7, max_off_policy_steps=1)
     assert stale == {0}  # group 0's oldest token is 2 versions old
     assert m["off_policy/dropped_frac"] == 0.5 and m["off_policy/dropped_tokens"] == 5

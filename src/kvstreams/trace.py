@@ -5,9 +5,9 @@ Saved as ONE ``.safetensors`` file; the tensor names and metadata keys below are
 
 - ``tokens`` int64 [T], ``positions`` int64 [T] (the RoPE position each KV entry was written with)
 - ``death`` int32 [L or 1, H_kv or 1, T]: trace index of the first query that can no longer see entry
-  j (T if never evicted). ``visible(q, j) <=> j <= q < death[l, h, j]``.
+  j (T if never evicted). ``visible(q, j) <=> j <= q < death[l, h, j]`` (:mod:`kvstreams.visibility`).
 - ``sampled_mask`` bool [T], ``loss_mask`` bool [T], ``sampler_logprobs`` float32 [T] (NaN where not
-  sampled), optional ``policy_version`` int32 [T]
+  sampled), optional ``weights_version`` int32 [T]
 - metadata: ``format`` = ``kvstreams-trace/1``, ``temperature``, ``policy``, ``mode``, ``model``, ...
 """
 
@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from kvstreams import visibility
 from kvstreams.atomic import atomic_write
 from kvstreams.errors import TraceFormatError
 
@@ -30,9 +31,11 @@ _DTYPES = {
     "sampled_mask": torch.bool,
     "loss_mask": torch.bool,
     "sampler_logprobs": torch.float32,
-    "policy_version": torch.int32,
+    "weights_version": torch.int32,
 }
-_OPTIONAL = ("policy_version",)
+_OPTIONAL = ("weights_version",)
+#: tensors that had another name in earlier files (read under the new one)
+_FORMER_NAMES = {"policy_version": "weights_version"}
 
 
 @dataclass
@@ -44,7 +47,7 @@ class Trace:
     loss_mask: torch.Tensor
     sampler_logprobs: torch.Tensor
     metadata: dict[str, str] = field(default_factory=dict)
-    policy_version: torch.Tensor | None = None
+    weights_version: torch.Tensor | None = None
 
     @classmethod
     def from_record(
@@ -63,11 +66,11 @@ class Trace:
         return cls(
             tokens=torch.tensor(tokens, dtype=torch.long),
             positions=torch.arange(T, dtype=torch.long),
-            death=compact_death(death[:, :, :T].clamp(max=T).cpu()),
+            death=compact_death(visibility.at_end(death, T).cpu()),
             sampled_mask=torch.tensor(sampled, dtype=torch.bool),
             loss_mask=torch.tensor(loss, dtype=torch.bool),
             sampler_logprobs=torch.tensor(logprobs, dtype=torch.float32),
-            policy_version=torch.tensor(versions, dtype=torch.int32),
+            weights_version=torch.tensor(versions, dtype=torch.int32),
             metadata={"format": FORMAT, **metadata},
         )
 
@@ -103,20 +106,14 @@ class Trace:
 
     def visible(self, layer: int = 0, head: int = 0) -> torch.Tensor:
         """Dense [T, T] bool visibility of one layer and KV head (for inspection and tests)."""
-        d = self.death[min(layer, self.death.shape[0] - 1), min(head, self.death.shape[1] - 1)]
-        T = len(self)
-        q = torch.arange(T)[:, None]
-        j = torch.arange(T)[None, :]
-        return (j <= q) & (q < d[None, :].long())
+        return visibility.dense(
+            self.death[min(layer, self.death.shape[0] - 1), min(head, self.death.shape[1] - 1)]
+        )
 
     def visible_counts(self) -> torch.Tensor:
         """[L or 1, H or 1, T]: how many entries query q sees, per layer and KV head (the KV cache it
-        needed when it was computed). Entry j is visible to q iff j <= q < death[j], so the count is
-        q + 1 minus the entries that died at or before q: O(T) from a histogram of ``death``."""
-        T = len(self)
-        died = torch.zeros(*self.death.shape[:2], T + 1, dtype=torch.long)
-        died.scatter_add_(-1, self.death.long(), torch.ones_like(self.death, dtype=torch.long))
-        return torch.arange(1, T + 1) - died[..., :T].cumsum(-1)
+        needed when it was computed)."""
+        return visibility.visible_counts(self.death)
 
     def kv_saving(self) -> float:
         """The realised KV saving of the sampled tokens' queries, SMD's "Toks. saving" (Table 6):
@@ -152,7 +149,7 @@ class Trace:
                 f"trace tokens must be a non-empty 1-D tensor, got shape {tuple(self.tokens.shape)}"
             )
         T = len(self)
-        for name in ("positions", "sampled_mask", "loss_mask", "sampler_logprobs", "policy_version"):
+        for name in ("positions", "sampled_mask", "loss_mask", "sampler_logprobs", "weights_version"):
             tensor = tensors[name]
             if tensor is not None and tuple(tensor.shape) != (T,):
                 raise TraceFormatError(
@@ -233,6 +230,8 @@ class Trace:
             raise TraceFormatError(
                 f"{path}: not a readable safetensors file ({type(err).__name__}: {err})"
             ) from None
+        if _FORMER_NAMES.keys() & tensors.keys():  # files written before the rename
+            tensors = {_FORMER_NAMES.get(k, k): v for k, v in tensors.items()}
         unknown = sorted(set(tensors) - set(_DTYPES))
         if unknown:
             raise TraceFormatError(f"{path}: unexpected tensor(s) {', '.join(unknown)}")

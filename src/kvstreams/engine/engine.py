@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kvstreams.attention import attention_context
+from kvstreams.attention import AttentionContext
 from kvstreams.engine.cache import SlotCache
 from kvstreams.engine.ops import attend_slots, attend_slots_fused
 from kvstreams.engine.sampling import SamplingParams, sample
@@ -30,6 +30,7 @@ from kvstreams.errors import KVStreamsError
 from kvstreams.models import model_shape
 from kvstreams.policies import EntryView, EvictionPolicy, make_policy
 from kvstreams.trace import Trace
+from kvstreams.visibility import evicted_before
 
 _PREFILL_STAT_CHUNK = 256  # query rows per block when prefill attention statistics are needed
 
@@ -67,7 +68,7 @@ class _Batch:
             setattr(self, name, getattr(self, name).index_select(0, rows))
 
 
-class PrefillStep:
+class PrefillStep(AttentionContext):
     """Attention context for the prompt: full causal attention, then the first eviction round."""
 
     def __init__(
@@ -87,14 +88,8 @@ class PrefillStep:
         self.generator = generator
 
     def attend(
-        self,
-        module: torch.nn.Module,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        scale: float,
+        self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        layer = module.layer_idx
         B, H, P, _ = query.shape
         Hkv = key.shape[1]
         valid = self.col_index >= 0
@@ -124,7 +119,7 @@ class PrefillStep:
             if bool(self.evicting.any())
             else view.live
         )
-        self.cache.record_death(layer, view.live & ~keep, index, self.batch.query_index + 1)
+        self.cache.record_death(layer, view.live & ~keep, index, evicted_before(self.batch.query_index + 1))
         if window is not None:
             window = window.masked_fill(self.evicting[:, None, None], 0.0)  # a new window starts
         self.cache.store_prefill(layer, key, value, index, keep, cumulative, window)
@@ -152,7 +147,7 @@ class PrefillStep:
         return cumulative, window
 
 
-class DecodeStep:
+class DecodeStep(AttentionContext):
     """Attention context for one decode step: write, attend over live slots, maybe evict."""
 
     def __init__(
@@ -173,14 +168,8 @@ class DecodeStep:
         self.generator = generator
 
     def attend(
-        self,
-        module: torch.nn.Module,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        scale: float,
+        self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        layer = module.layer_idx
         cache, batch = self.cache, self.batch
         cache.write_chunk(layer, key, value, batch.query_index[:, None])
         keys, values, index = cache.keys[layer], cache.values[layer], cache.index[layer]
@@ -207,7 +196,7 @@ class DecodeStep:
                 generator=self.generator,
             )
             keep = choose_kept(policy, view, batch.target, self.evicting)
-            cache.evict_slots(layer, live & ~keep, batch.query_index + 1)
+            cache.evict_slots(layer, live & ~keep, evicted_before(batch.query_index + 1))
         if cache.window is not None:
             cache.window[layer].masked_fill_(self.new_window[:, None, None], 0.0)
         return out
@@ -276,7 +265,7 @@ class Schedule:
 
 
 @dataclass
-class RolloutStats:
+class GenerationStats:
     """What one ``generate`` call did."""
 
     sequences: int = 0
@@ -286,6 +275,46 @@ class RolloutStats:
     budgets: list[int] = field(default_factory=list)
     kv_capacity: int = 0  # slots per (sequence, layer, KV head)
     kv_bytes_allocated: int = 0
+
+
+class _Record:
+    """What ``generate`` records per sequence (by original index) while rows leave the batch."""
+
+    def __init__(self, prompts: Sequence[Sequence[int]], version: int) -> None:
+        self.prompt_lens = [len(p) for p in prompts]
+        self.tokens = [list(p) for p in prompts]
+        self.versions = [[version] * len(p) for p in prompts]
+        self.logprobs: list[list[float]] = [[] for _ in prompts]
+        self.deaths: list[torch.Tensor | None] = [None] * len(prompts)
+        self.events = [0] * len(prompts)  # eviction rounds, once the sequence finished
+
+    def add(
+        self,
+        seqs: torch.Tensor,
+        tokens: torch.Tensor,
+        logprobs: torch.Tensor,
+        version: int,
+        stop_ids: set[int],
+        last: bool,
+    ) -> list[int]:
+        """Append each row's sampled token; returns the rows that finished (a stop token or ``last``)."""
+        done = []
+        for row, (seq, tok, lp) in enumerate(
+            zip(seqs.tolist(), tokens.tolist(), logprobs.tolist(), strict=True)
+        ):
+            self.tokens[seq].append(tok)
+            self.versions[seq].append(version)
+            self.logprobs[seq].append(lp)
+            if tok in stop_ids or last:
+                done.append(row)
+        return done
+
+    def finish(self, rows: list[int], seqs: torch.Tensor, death: torch.Tensor, events: torch.Tensor) -> None:
+        """Keep the finished rows' death record and eviction count (their cache rows go next)."""
+        for row in rows:
+            seq = int(seqs[row])
+            self.deaths[seq] = death[row].clone()
+            self.events[seq] = int(events[row])
 
 
 class RolloutEngine:
@@ -301,7 +330,7 @@ class RolloutEngine:
         tokenizer=None,
         policy: EvictionPolicy | None = None,
         model_name: str = "",
-        policy_version: int = 0,
+        weights_version: int = 0,
     ) -> None:
         if getattr(model.config, "_attn_implementation", None) != "kvstreams":
             raise KVStreamsError(
@@ -312,8 +341,8 @@ class RolloutEngine:
         self.policy = policy or make_policy("full")
         self.model_name = model_name or str(getattr(model.config, "_name_or_path", ""))
         self.shape = model_shape(model)
-        self.policy_version = policy_version  # the weights version; every sampled token records it
-        self.last_stats = RolloutStats()
+        self.weights_version = weights_version  # the weights version; every sampled token records it
+        self.last_stats = GenerationStats()
 
     @property
     def device(self) -> torch.device:
@@ -329,7 +358,7 @@ class RolloutEngine:
         """Load new weights in place (between decode steps: the cache is kept); tokens sampled from now
         on record ``version``."""
         self.model.load_state_dict(state_dict, strict=True)
-        self.policy_version = version
+        self.weights_version = version
 
     @torch.no_grad()
     def generate(
@@ -346,110 +375,84 @@ class RolloutEngine:
         """
         if not prompts or any(len(p) == 0 for p in prompts):
             raise KVStreamsError("every prompt needs at least one token")
-        device, policy = self.device, self.policy
-        n = len(prompts)
-        G = params.max_new_tokens
+        device, G = self.device, params.max_new_tokens
         prompt_lens = [len(p) for p in prompts]
         contexts = [p + G for p in prompt_lens]
-        schedule = Schedule(policy, prompt_lens, contexts, device)
+        schedule = Schedule(self.policy, prompt_lens, contexts, device)
         cache = SlotCache(
-            self.shape, n, schedule.capacity, max(contexts), self.model.dtype, device, policy.needs
+            self.shape,
+            len(prompts),
+            schedule.capacity,
+            max(contexts),
+            self.model.dtype,
+            device,
+            self.policy.needs,
         )
         kv_bytes_allocated = cache.kv_bytes  # the peak: rows are only ever removed
         generator = torch.Generator(device=device).manual_seed(params.seed)
         stop_ids = self._stop_ids(params)
-        T = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
 
         batch, evicting, window_from = schedule.start(prompt_lens)
-
-        # --- prefill (left-padded) ----------------------------------------------------------------
-        P = max(prompt_lens)
-        pad_id = getattr(self.tokenizer, "pad_token_id", None) or 0
-        ids = torch.full((n, P), pad_id, dtype=torch.long, device=device)
-        col_index = torch.full((n, P), -1, dtype=torch.long, device=device)
-        for b, prompt in enumerate(prompts):
-            ids[b, P - len(prompt) :] = T(list(prompt))
-            col_index[b, P - len(prompt) :] = torch.arange(len(prompt), device=device)
-        step = PrefillStep(self, cache, col_index, batch, evicting, window_from, generator)
-        with attention_context(step):
+        ids, col_index = self._left_padded(prompts)
+        with PrefillStep(self, cache, col_index, batch, evicting, window_from, generator):
             logits = self.model(
                 input_ids=ids, position_ids=col_index.clamp(min=0), logits_to_keep=1, use_cache=False
             ).logits[:, -1]
         batch.n_live = torch.where(evicting, batch.target, batch.n_live)
-        events = evicting.long().clone()
-
-        tokens = [list(p) for p in prompts]
-        versions = [[self.policy_version] * len(p) for p in prompts]
-        logprobs: list[list[float]] = [[] for _ in prompts]
-        deaths: list[torch.Tensor | None] = [None] * n
-        finished_events = [0] * n
+        events = evicting.long().clone()  # eviction rounds per row so far
+        record = _Record(prompts, self.weights_version)
 
         for step_no in range(G):
             new_tokens, new_lp = sample(logits, params, generator)
-            done = []
-            for row, (seq, tok, lp) in enumerate(
-                zip(batch.seq.tolist(), new_tokens.tolist(), new_lp.tolist(), strict=True)
-            ):
-                tokens[seq].append(tok)
-                versions[seq].append(self.policy_version)
-                logprobs[seq].append(lp)
-                if tok in stop_ids or step_no == G - 1:
-                    done.append(row)
+            done = record.add(batch.seq, new_tokens, new_lp, self.weights_version, stop_ids, step_no == G - 1)
             if progress is not None:
                 progress(1)
-            if on_step is not None:
+            if on_step is not None:  # may update the weights: the next tokens record the new version
                 on_step(step_no + 1, self)
             if done:  # finished sequences leave the batch; their record is complete
-                for row in done:
-                    seq = int(batch.seq[row])
-                    deaths[seq] = cache.death[row].clone()
-                    finished_events[seq] = int(events[row])
-                keep_rows = T([r for r in range(len(batch.seq)) if r not in set(done)])
-                if keep_rows.numel() == 0:
+                record.finish(done, batch.seq, cache.death, events)
+                keep = torch.tensor([r for r in range(len(batch.seq)) if r not in set(done)], device=device)
+                if keep.numel() == 0:
                     break
-                cache.select_rows(keep_rows)
-                batch.select(keep_rows)
-                new_tokens = new_tokens.index_select(0, keep_rows)
-                events = events.index_select(0, keep_rows)
-            # --- decode the token just sampled ----------------------------------------------------
+                cache.select_rows(keep)
+                batch.select(keep)
+                new_tokens, events = new_tokens.index_select(0, keep), events.index_select(0, keep)
+            # decode the token just sampled: its K/V join the cache, maybe an eviction round follows
             batch.query_index = batch.query_index + 1
             after_write = batch.n_live + 1
             evicting, in_window, new_window = schedule.decode(batch, step_no + 1, after_write)
-            step = DecodeStep(self, cache, batch, evicting, in_window, new_window, generator)
-            with attention_context(step):
+            with DecodeStep(self, cache, batch, evicting, in_window, new_window, generator):
                 logits = self.model(
                     input_ids=new_tokens[:, None], position_ids=batch.query_index[:, None], use_cache=False
                 ).logits[:, -1]
             batch.n_live = torch.where(evicting, batch.target, after_write)
             events += evicting.long()
 
-        traces = [
-            self._trace(
-                tokens[i], prompt_lens[i], logprobs[i], versions[i], deaths[i], params, schedule.budgets[i]
-            )
-            for i in range(n)
-        ]
-        self.last_stats = RolloutStats(
-            sequences=n,
-            tokens_generated=sum(len(t) - p for t, p in zip(tokens, prompt_lens, strict=True)),
+        traces = [self._trace(record, i, params, schedule.budgets[i]) for i in range(len(prompts))]
+        self.last_stats = GenerationStats(
+            sequences=len(prompts),
+            tokens_generated=sum(len(t) - p for t, p in zip(record.tokens, prompt_lens, strict=True)),
             tokens_prefilled=sum(prompt_lens),
-            eviction_events=finished_events,
+            eviction_events=record.events,
             budgets=schedule.budgets,
             kv_capacity=schedule.capacity,
             kv_bytes_allocated=kv_bytes_allocated,
         )
         return traces
 
-    def _trace(
-        self,
-        tokens: list[int],
-        prompt_len: int,
-        logprobs: list[float],
-        versions: list[int],
-        death: torch.Tensor | None,
-        params: SamplingParams,
-        budget: int,
-    ) -> Trace:
+    def _left_padded(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompts as one left-padded batch: ids [n, P] and each column's trace index (-1: padding)."""
+        device, n, P = self.device, len(prompts), max(len(p) for p in prompts)
+        pad_id = getattr(self.tokenizer, "pad_token_id", None) or 0
+        ids = torch.full((n, P), pad_id, dtype=torch.long, device=device)
+        col_index = torch.full((n, P), -1, dtype=torch.long, device=device)
+        for b, prompt in enumerate(prompts):
+            ids[b, P - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long, device=device)
+            col_index[b, P - len(prompt) :] = torch.arange(len(prompt), device=device)
+        return ids, col_index
+
+    def _trace(self, record: _Record, i: int, params: SamplingParams, budget: int) -> Trace:
+        tokens, prompt_len, death = record.tokens[i], record.prompt_lens[i], record.deaths[i]
         length = len(tokens)
         assert death is not None
         generated = length - prompt_len
@@ -459,8 +462,8 @@ class RolloutEngine:
             death,
             sampled=[False] * prompt_len + [True] * generated,
             loss=[False] * prompt_len + [True] * generated,
-            logprobs=[math.nan] * prompt_len + logprobs,
-            versions=versions,
+            logprobs=[math.nan] * prompt_len + record.logprobs[i],
+            versions=record.versions[i],
             metadata={
                 "temperature": str(params.temperature),
                 "top_p": str(params.top_p),

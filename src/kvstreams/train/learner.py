@@ -26,7 +26,7 @@ from kvstreams.engine.sampling import policy_logprobs
 from kvstreams.models import model_shape
 from kvstreams.replay import collate, replay_logits
 from kvstreams.trace import Trace
-from kvstreams.train import loss as L
+from kvstreams.train import loss as losses
 from kvstreams.train.config import Config
 from kvstreams.train.corrections import Behaviour, Weighting
 from kvstreams.train.mismatch import mismatch_metrics
@@ -99,7 +99,7 @@ class Normaliser:
     mode: str
 
     def __call__(self, per_token: torch.Tensor, seq: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        return L.aggregate(per_token, seq, keep, self.mode, self.tokens, self.seqs)
+        return losses.aggregate(per_token, seq, keep, self.mode, self.tokens, self.seqs)
 
 
 class Learner:
@@ -253,22 +253,22 @@ class Learner:
         rows, targets = self._rows(self.model, mb, REPLAY_MODE[self.loss.view])
         logp = self._logp(rows, targets, mb)
         advantages = mb.per_token([i.advantage for i in mb.items]).to(device)
-        pg, ratio, clipped = L.ppo_clip_loss(
+        pg, ratio, clipped = losses.ppo_clip_loss(
             logp, w.old_logp.to(device), advantages, self.loss.clip_low, self.loss.clip_high
         )
         total = norm(pg * w.weight.to(device), seq, keep)
         _add(sums, "loss/pg", total)
-        entropy = L.entropy_from_logits(rows / self._temperatures(mb).to(device)[:, None])
+        entropy = losses.entropy_from_logits(rows / self._temperatures(mb).to(device)[:, None])
         _add(sums, "entropy/mean", norm(entropy, seq, keep))
         if self.loss.entropy_coef > 0:
             total = total - self.loss.entropy_coef * norm(entropy, seq, keep)
         if ref is not None:
-            kl = norm(L.kl_k3(logp, ref.to(device)), seq, keep)
+            kl = norm(losses.kl_k3(logp, ref.to(device)), seq, keep)
             _add(sums, "loss/kl", kl)
             total = total + self.loss.kl_coef * kl
         if teacher is not None:
             student = rows / self._temperatures(mb).to(device)[:, None]
-            distill = norm(L.distillation_kl(teacher, student), seq, keep)
+            distill = norm(losses.distillation_kl(teacher, student), seq, keep)
             _add(sums, "loss/distill", distill)
             total = total + distill_coef * distill
         total.backward()

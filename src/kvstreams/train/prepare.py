@@ -15,17 +15,17 @@ from __future__ import annotations
 
 import torch
 
-from kvstreams.train import loss as L
 from kvstreams.train.learner import TrainItem, trained_positions
+from kvstreams.train.loss import group_advantages
 from kvstreams.train.rollouts import RolloutBatch, Sample
 
 
 def sampled_versions(sample: Sample) -> torch.Tensor:
     """[n sampled tokens] the weights version that sampled each token (-1 if the trace has none)."""
     t = sample.trace
-    if t.policy_version is None:
+    if t.weights_version is None:
         return torch.full((int(t.sampled_mask.sum()),), -1, dtype=torch.long)
-    return t.policy_version[t.sampled_mask].long()
+    return t.weights_version[t.sampled_mask].long()
 
 
 def stale_groups(
@@ -67,7 +67,7 @@ def learner_items(
     episodes whose environment raised are dropped."""
     failed = batch.failed()
     valid = torch.tensor([not f for f in failed])
-    advantages = L.group_advantages(torch.tensor(batch.rewards), group_size, normalize_std, valid=valid)
+    advantages = group_advantages(torch.tensor(batch.rewards), group_size, normalize_std, valid=valid)
     stale, metrics = stale_groups(batch, step, max_off_policy_steps)
     # an episode whose environment raised is not trained on: its reward says nothing about the policy
     items = [
