@@ -68,8 +68,6 @@ class EvictionPolicy:
     name: ClassVar[str] = "base"
     #: attention statistics the engine must track for this policy: "cumulative" and/or "window"
     needs: ClassVar[frozenset[str]] = frozenset()
-    #: True when every layer and head makes the same decision (death is stored as [1, 1, T])
-    uniform_across_heads: ClassVar[bool] = False
 
     budget: float | int = 0.5
     interval: int = 1

@@ -9,7 +9,6 @@ Defaults: one entry evicted per step, budget 50% of the context.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
@@ -19,7 +18,5 @@ from kvstreams.policies.base import EntryView, EvictionPolicy, register
 @register("recent")
 @dataclass
 class Recent(EvictionPolicy):
-    uniform_across_heads: ClassVar[bool] = True
-
     def score(self, view: EntryView) -> torch.Tensor:
         return view.index.float()

@@ -10,7 +10,6 @@ Defaults: 4 sinks (the paper's), one entry evicted per step, budget 50% of the c
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
@@ -21,8 +20,6 @@ from kvstreams.policies.base import EntryView, EvictionPolicy, register
 @register("streaming_llm")
 @dataclass
 class StreamingLLM(EvictionPolicy):
-    uniform_across_heads: ClassVar[bool] = True
-
     n_sink: int = 4
 
     def __post_init__(self) -> None:

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from kvstreams.chat import ChatFormat
 from kvstreams.compaction import make_strategy
+from kvstreams.cost import RolloutCost
 from kvstreams.engine import RolloutEngine, SamplingParams
 from kvstreams.envs import is_single_turn, make_env
-from kvstreams.episodes import EpisodeRunner, RolloutStats
+from kvstreams.episodes import EpisodeRunner
 from kvstreams.policies import make_policy
 from kvstreams.trace import Trace
 from kvstreams.train.config import Config
@@ -43,8 +44,7 @@ class Sample:
 class RolloutBatch:
     samples: list[Sample]
     rewards: list[float]  # per episode, groups contiguous
-    stats: RolloutStats
-    info: dict[str, Any] = field(default_factory=dict)
+    stats: RolloutCost
     errors: list[str | None] = field(default_factory=list)  # per episode: why its environment failed
 
     def failed(self) -> list[bool]:
@@ -133,7 +133,7 @@ class RolloutSource:
             sampling=self._sampling(0, greedy),
             block_size=r.block_size,
             max_reply_tokens=r.max_reply_tokens,
-            policy_version=self.version,
+            weights_version=self.version,
         )
         results, stats = runner.run(
             envs, env_seeds, on_step=on_step, progress=progress, sample_seeds=sample_seeds
@@ -151,7 +151,7 @@ class RolloutSource:
             self.chat.head(env.reset(s)) + self.chat.assistant_header()
             for env, s in zip(envs, env_seeds, strict=True)
         ]
-        engine = RolloutEngine(self.model, self.tokenizer, policy, policy_version=self.version)
+        engine = RolloutEngine(self.model, self.tokenizer, policy, weights_version=self.version)
         traces = engine.generate(
             prompts, self._sampling(sample_seeds[0], greedy), progress=progress, on_step=on_step
         )
@@ -164,12 +164,14 @@ class RolloutSource:
             except Exception as err:  # one environment failing must not take the batch down
                 rewards.append(0.0)
                 errors.append(f"seed {seed}: step raised {type(err).__name__}: {err}")
-        stats = RolloutStats(
+        stats = RolloutCost(
             episodes=len(traces),
             tokens_forwarded=sum(len(t) - 1 for t in traces),
             tokens_trace=sum(len(t) for t in traces),
             kv_peak_bytes=engine.last_stats.kv_bytes_allocated,
-            kv_peak_entries=engine.last_stats.kv_capacity,
+            # the most entries a query attended to (per layer and head), as the episode runner counts
+            # it; the engine's slot capacity is only what was allocated
+            kv_peak_entries=max(int(t.visible_counts().max()) for t in traces),
             reward_mean=sum(rewards) / len(rewards),
         )
         samples = [
