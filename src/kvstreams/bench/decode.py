@@ -60,38 +60,7 @@ def bench_decode(settings: DecodeBenchSettings, models_dir: str | Path, out_dir:
 
     started = time.perf_counter()
     report = BenchReport("decode", settings=dict(settings.__dict__))
-    table = report.section(
-        f"decode batch x {settings.new_tokens} tokens after {settings.prompt_len}-token prompts",
-        (
-            "model",
-            "batch",
-            "engine",
-            "policy",
-            "tokens",
-            "seconds",
-            "tokens/s",
-            "vs HF generate",
-            "KV MB",
-            "peak MB",
-        ),
-        note="KV MB: K/V the cache holds at the end (HF: dynamic cache, grows with the sequence; "
-        "kvstreams: slots allocated); peak MB: resident high-water mark above the start of the call",
-    )
-    kvpress = report.section(
-        "kvpress DecodingPress (HF generate + press, separate environment) at the same budget",
-        (
-            "model",
-            "batch",
-            "policy",
-            "tokens",
-            "seconds",
-            "tokens/s",
-            "vs HF generate",
-            "KV entries at end",
-            "note",
-        ),
-        note="vs HF generate: against plain generate in that environment (its transformers version)",
-    )
+    table, kvpress = _sections(report, settings)
     n_runs = len(settings.models) * len(settings.batches) * (3 + len(settings.policies))
     params = SamplingParams(
         max_new_tokens=settings.new_tokens, temperature=1.0, stop_token_ids=(), seed=settings.seed
@@ -128,6 +97,43 @@ def bench_decode(settings: DecodeBenchSettings, models_dir: str | Path, out_dir:
     report.plots = _plots(table.rows, Path(out_dir))
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _sections(report: BenchReport, settings: DecodeBenchSettings):
+    """The report's two tables: kvstreams and HF generate side by side, and kvpress's presses."""
+    table = report.section(
+        f"decode batch x {settings.new_tokens} tokens after {settings.prompt_len}-token prompts",
+        (
+            "model",
+            "batch",
+            "engine",
+            "policy",
+            "tokens",
+            "seconds",
+            "tokens/s",
+            "vs HF generate",
+            "KV MB",
+            "peak MB",
+        ),
+        note="KV MB: K/V the cache holds at the end (HF: dynamic cache, grows with the sequence; "
+        "kvstreams: slots allocated); peak MB: resident high-water mark above the start of the call",
+    )
+    kvpress = report.section(
+        "kvpress DecodingPress (HF generate + press, separate environment) at the same budget",
+        (
+            "model",
+            "batch",
+            "policy",
+            "tokens",
+            "seconds",
+            "tokens/s",
+            "vs HF generate",
+            "KV entries at end",
+            "note",
+        ),
+        note="vs HF generate: against plain generate in that environment (its transformers version)",
+    )
+    return table, kvpress
 
 
 def _hf_row(hf, shape, prompts: list[list[int]], pad: int, settings: DecodeBenchSettings) -> dict[str, Any]:

@@ -287,21 +287,14 @@ def _train(cfg: Config, resume: bool, show_progress: bool, allow_config_change: 
         with progress_ctx as progress:
             for step in range(start, cfg.train.steps):
                 t_step = time.perf_counter()
-                if producer is not None:
+                if producer is not None:  # sampled in the background, at most max_off_policy_steps behind
                     batch, seconds = producer.get()
                 else:
                     t0 = time.perf_counter()
                     source.version = step  # the weights the learner has after `step` updates
                     batch = source.collect(step)
                     seconds = time.perf_counter() - t0
-                metrics = rollout_metrics(batch, seconds)
-                lc = cfg.loss
-                items, off_policy = learner_items(
-                    batch, step, cfg.rollout.group_size, lc.normalize_std, cfg.train.max_off_policy_steps
-                )
-                metrics.update(off_policy)
-                _report_failures(batch, step, reported)
-                metrics.update(learner.step(items))
+                metrics = _learn(cfg, learner, batch, step, seconds, reported)
                 # wall-clock of the step without evaluation or checkpointing: what speed-to-reward counts
                 metrics["time/step_seconds"] = time.perf_counter() - t_step
                 nonfinite_run = nonfinite_run + 1 if metrics["optim/nonfinite_skipped"] else 0
@@ -329,9 +322,34 @@ def _train(cfg: Config, resume: bool, show_progress: bool, allow_config_change: 
         if producer is not None:
             producer.close()
         log.close()
-    rows = log.read()
+    summary = _summary(cfg, log.read(), last, first_eval)
+    if cfg.train.plots:
+        summary["plots"] = [str(p) for p in log.plot()]
+    write_json(out / "summary.json", summary)
+    return summary
+
+
+def _learn(
+    cfg: Config, learner: Learner, batch: RolloutBatch, step: int, seconds: float, reported: set[str]
+) -> dict[str, float]:
+    """One learner update on a batch of rollouts; returns the step's metrics (rollout, off-policy,
+    loss and optimiser figures). Environment failures are reported (once each) before the update."""
+    metrics = rollout_metrics(batch, seconds)
+    items, off_policy = learner_items(
+        batch, step, cfg.rollout.group_size, cfg.loss.normalize_std, cfg.train.max_off_policy_steps
+    )
+    metrics.update(off_policy)
+    _report_failures(batch, step, reported)
+    metrics.update(learner.step(items))
+    return metrics
+
+
+def _summary(
+    cfg: Config, rows: list[dict[str, Any]], last: dict[str, float], first_eval: dict[str, float]
+) -> dict[str, Any]:
+    """``summary.json``: evaluation before and after, the last step's metrics, mismatch and tokens."""
     evals = [r for r in rows if "eval/reward_mean" in r]
-    summary = {
+    return {
         "steps": cfg.train.steps,
         "eval_before": evals[0] if evals else None,
         "eval_after": evals[-1] if len(evals) > 1 else None,
@@ -348,10 +366,6 @@ def _train(cfg: Config, resume: bool, show_progress: bool, allow_config_change: 
         ),
         "tokens_reprefill_equivalent_formula": REPREFILL_EQUIVALENT,
     }
-    if cfg.train.plots:
-        summary["plots"] = [str(p) for p in log.plot()]
-    write_json(out / "summary.json", summary)
-    return summary
 
 
 def _report_failures(batch: RolloutBatch, step: int, reported: set[str]) -> None:
