@@ -13,8 +13,8 @@ from kvstreams.bench.learner import LearnerBenchSettings, _slicing, bench_learne
 from kvstreams.bench.report import measure_peak, peak_memory_supported
 from kvstreams.bench.rollout import Point, RolloutBenchSettings, bench_rollout
 from kvstreams.cli import main
-from kvstreams.replay import dense_visibility
 from kvstreams.train.config import Config
+from kvstreams.visibility import dense as dense_visibility
 
 needs_peak = pytest.mark.skipif(not peak_memory_supported(), reason="needs /proc/self/clear_refs (Linux)")
 
