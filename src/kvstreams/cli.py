@@ -192,8 +192,8 @@ def _add_episode_args(p: argparse.ArgumentParser, repeat_strategy: bool = False)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvstreams.models import ARCHS
     from kvstreams.policies import POLICIES
+    from kvstreams.tiny import ARCHS
 
     parser = _Parser(
         prog="kvstreams", description="In-place KV eviction while sampling, exact replay while learning."
@@ -421,7 +421,7 @@ def cmd_pretrained(args) -> int:
 
 
 def cmd_tiny_model(args) -> int:
-    from kvstreams.models import make_tiny_model
+    from kvstreams.tiny import make_tiny_model
 
     if (Path(args.out) / "config.json").exists() and not args.force:
         raise KVStreamsError(f"--out {args.out!r} already holds a model; pass --force to overwrite it")
