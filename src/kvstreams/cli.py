@@ -856,14 +856,9 @@ def cmd_experiment(args) -> int:
             spec = experiments.load_spec(name)
             print(f"{name:22s} {spec.title}")
         return 0
-    from kvstreams.train.config import parse_value
+    from kvstreams.train.config import parse_override
 
-    overrides = {}
-    for item in args.set:
-        if "=" not in item:
-            raise KVStreamsError(f"--set takes key=value, got {item!r}")
-        key, raw = item.split("=", 1)
-        overrides[key.strip()] = parse_value(raw.strip())
+    overrides = dict(parse_override(item) for item in args.set)
     if args.device:
         overrides["model.device"] = args.device
     spec = experiments.load_spec(args.name, overrides)
