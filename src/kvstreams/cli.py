@@ -73,7 +73,9 @@ def _device(text: str) -> str:
     return text
 
 
-def _policy_args(pairs: Sequence[str], flag: str = "--policy-arg") -> dict[str, object]:
+def _key_value_args(pairs: Sequence[str], flag: str = "--policy-arg") -> dict[str, object]:
+    """``KEY=VALUE`` options of a policy, strategy or environment as keyword arguments: numbers become
+    int or float, anything else stays a string; dashes in keys become underscores."""
     out: dict[str, object] = {}
     for pair in pairs:
         if "=" not in pair:
@@ -358,7 +360,7 @@ def _progress(description: str, total: int | None):
         yield lambda n=1: progress.advance(task, n)
 
 
-def _sampling_params(args, tokenizer):
+def _sampling_params(args):
     from kvstreams.engine import SamplingParams
 
     return SamplingParams(
@@ -374,7 +376,7 @@ def _sampling_params(args, tokenizer):
 def _policy(name: str, args):
     from kvstreams.policies import make_policy, parse_budget
 
-    options = _policy_args(args.policy_arg)
+    options = _key_value_args(args.policy_arg)
     if args.budget is not None and args.compression is not None:
         raise KVStreamsError("give --budget (share kept) or --compression (share dropped), not both")
     if args.budget is not None:
@@ -444,7 +446,7 @@ def cmd_tiny_model(args) -> int:
 def _strategy(name: str, args):
     from kvstreams.compaction import make_strategy
 
-    options = _policy_args(args.strategy_arg, "--strategy-arg")
+    options = _key_value_args(args.strategy_arg, "--strategy-arg")
     if args.compact_budget is not None:
         options["budget"] = args.compact_budget
     if args.turn_budget is not None:
@@ -456,7 +458,7 @@ def _envs(args, n: int):
     from kvstreams.envs import make_env
 
     name = args.env or "memory"
-    options = _policy_args(args.env_arg, "--env-arg")
+    options = _key_value_args(args.env_arg, "--env-arg")
     return [make_env(name, **options) for _ in range(n)]
 
 
@@ -516,7 +518,7 @@ def _rollout_policy(args) -> int:
         raise KVStreamsError(
             f"--prompt-len + --max-new-tokens = {longest} exceeds the model's max_position_embeddings ({limit})"
         )
-    params = _sampling_params(args, tokenizer)
+    params = _sampling_params(args)
     envs, chat = None, None
     if args.env:
         envs, prompts, chat = _env_prompts(args, tokenizer)
@@ -580,7 +582,7 @@ def _rollout_episodes(args) -> int:
     out = Path(args.out)
     _check_out(out, traces=True)
     model, tokenizer = _load(args)
-    params = _sampling_params(args, tokenizer)
+    params = _sampling_params(args)
     runner = EpisodeRunner(model, tokenizer, strategy, mode=mode, sampling=params, **_runner_options(args))
     seeds = [args.seed + i for i in range(args.episodes)]
     with _progress(f"rollout {args.env or 'memory'} {mode}", None) as advance:
@@ -646,7 +648,7 @@ def cmd_verify(args) -> int:
             _policy(name, args) for name in (args.policy or sorted(n for n in POLICIES if n != "full"))
         ]
     model, tokenizer = _load(args)
-    params = _sampling_params(args, tokenizer)
+    params = _sampling_params(args)
     reports, traces, samplers = [], [], []
     seeds = [args.seed + i for i in range(args.episodes)]
     prompts = None
