@@ -470,14 +470,22 @@ def _runner_options(args) -> dict:
     }
 
 
-def _env_prompts(args, tokenizer):
-    """Single-turn prompts from an environment: its opening messages and the assistant header."""
-    from kvstreams.chat import ChatFormat
+def _seeds(args) -> list[int]:
+    return [args.seed + i for i in range(args.episodes)]
 
+
+def _prompts(args, tokenizer):
+    """Single-turn prompts: (envs, chat, prompts) from ``--env``, whose environments score the replies,
+    or synthetic ones of ``--prompt-len`` tokens (envs and chat None)."""
+    from kvstreams.chat import ChatFormat
+    from kvstreams.prompts import synthetic_prompts
+    from kvstreams.single_turn import env_prompts
+
+    if not args.env:
+        return None, None, synthetic_prompts(tokenizer, args.episodes, args.prompt_len, seed=args.seed)
     chat = ChatFormat(tokenizer)
     envs = _envs(args, args.episodes)
-    prompts = [chat.head(env.reset(args.seed + i)) + chat.assistant_header() for i, env in enumerate(envs)]
-    return envs, prompts, chat
+    return envs, chat, env_prompts(chat, envs, _seeds(args))
 
 
 def cmd_rollout(args) -> int:
@@ -506,7 +514,8 @@ def _check_json(path: str | None) -> None:
 def _rollout_policy(args) -> int:
     from kvstreams.atomic import write_json
     from kvstreams.engine import RolloutEngine
-    from kvstreams.prompts import synthetic_prompts
+    from kvstreams.rollout_summary import policy_summary, save_policy_traces
+    from kvstreams.single_turn import reply_reward, sample_in_batches
 
     policy = _policy(args.policy or "snapkv", args)
     out = Path(args.out)
@@ -519,48 +528,23 @@ def _rollout_policy(args) -> int:
             f"--prompt-len + --max-new-tokens = {longest} exceeds the model's max_position_embeddings ({limit})"
         )
     params = _sampling_params(args)
-    envs, chat = None, None
-    if args.env:
-        envs, prompts, chat = _env_prompts(args, tokenizer)
-    else:
-        prompts = synthetic_prompts(tokenizer, args.episodes, args.prompt_len, seed=args.seed)
+    envs, chat, prompts = _prompts(args, tokenizer)
     engine = RolloutEngine(model, tokenizer, policy, model_name=str(args.model))
-    traces, events, start = [], [], time.perf_counter()
+    start = time.perf_counter()
     n_batches = -(-len(prompts) // args.batch_size)
     with _progress(f"rollout {policy.name}", n_batches * args.max_new_tokens) as advance:
-        for i in range(0, len(prompts), args.batch_size):
-            batch_params = dataclasses.replace(params, seed=args.seed + i)
-            traces += engine.generate(prompts[i : i + args.batch_size], batch_params, progress=advance)
-            events += engine.last_stats.eviction_events
+        traces, events = sample_in_batches(engine, prompts, params, args.batch_size, progress=advance)
     seconds = time.perf_counter() - start
     rewards = None
     if envs is not None and chat is not None:
-        rewards = []
-        for env, trace in zip(envs, traces, strict=True):
-            reply = trace.tokens[trace.sampled_mask].tolist()
-            rewards.append(float(env.step(chat.decode(reply)).reward))
-    paths = [trace.save(out / f"trace-{i:05d}.safetensors") for i, trace in enumerate(traces)]
-    summary = {
-        "policy": policy.describe(),
-        "model": str(args.model),
-        "env": args.env,
-        "episodes": len(traces),
-        "tokens_trace": sum(len(t) for t in traces),
-        "tokens_sampled": sum(int(t.sampled_mask.sum()) for t in traces),
-        "eviction_events": events,
-        "budget_entries": engine.last_stats.budgets,
-        # SMD's "Toks. saving": 1 - KV entries the sampled tokens' queries saw / a full cache's
-        "kv_saving": [round(t.kv_saving(), 4) for t in traces],
-        "kv_saving_mean": sum(t.kv_saving() for t in traces) / len(traces),
-        "kv_capacity_entries": engine.last_stats.kv_capacity,
-        "rewards": rewards,
-        "reward_mean": None if rewards is None else sum(rewards) / len(rewards),
-        "seconds": round(seconds, 3),
-        "traces": [p.name for p in paths],
-    }
+        rewards = [reply_reward(env, chat, trace) for env, trace in zip(envs, traces, strict=True)]
+    names = save_policy_traces(traces, out)
+    summary = policy_summary(
+        policy, str(args.model), args.env, traces, events, engine.last_stats, rewards, seconds, names
+    )
     write_json(out / "summary.json", summary)
     print(
-        f"wrote {len(paths)} traces ({summary['tokens_trace']} tokens, {sum(events)} eviction events, "
+        f"wrote {len(names)} traces ({summary['tokens_trace']} tokens, {sum(events)} eviction events, "
         f"KV saving {summary['kv_saving_mean']:.1%}) to {out} in {seconds:.1f}s"
     )
     return 0
@@ -569,6 +553,7 @@ def _rollout_policy(args) -> int:
 def _rollout_episodes(args) -> int:
     from kvstreams.atomic import write_json
     from kvstreams.episodes import EpisodeRunner
+    from kvstreams.rollout_summary import episode_summary, save_episode_traces
 
     if args.policy:
         raise KVStreamsError(
@@ -584,37 +569,12 @@ def _rollout_episodes(args) -> int:
     model, tokenizer = _load(args)
     params = _sampling_params(args)
     runner = EpisodeRunner(model, tokenizer, strategy, mode=mode, sampling=params, **_runner_options(args))
-    seeds = [args.seed + i for i in range(args.episodes)]
     with _progress(f"rollout {args.env or 'memory'} {mode}", None) as advance:
-        results, stats = runner.run(envs, seeds, progress=advance)
-    names = []
-    for r in results:
-        for k, trace in enumerate(r.traces):
-            suffix = f"-seg{k:02d}" if mode == "reprefill" else ""
-            names.append(trace.save(out / f"episode-{r.episode:05d}{suffix}.safetensors").name)
-    summary = {
-        **stats.as_dict(),
-        "mode": mode,
-        "env": args.env or "memory",
-        "strategy": strategy.describe() if strategy else None,
-        "model": str(args.model),
-        "block_size": args.block_size,
-        "episode_results": [
-            {
-                "episode": r.episode,
-                "seed": r.seed,
-                "reward": r.reward,
-                "compactions": len(r.compactions),
-                "segments": len(r.traces),
-                "end": r.info.get("end"),
-            }
-            for r in results
-        ],
-        "traces": names,
-    }
-    if mode != "reprefill":
-        summary.pop("tokens_reprefilled_predicted")
-        summary.pop("tokens_reprefilled_predicted_steady")
+        results, stats = runner.run(envs, _seeds(args), progress=advance)
+    names = save_episode_traces(results, out, mode)
+    summary = episode_summary(
+        stats, results, mode, args.env or "memory", strategy, str(args.model), args.block_size, names
+    )
     write_json(out / "summary.json", summary)
     print(
         f"wrote {len(names)} traces from {len(results)} episodes ({mode}): {stats.tokens_forwarded} tokens forwarded, "
@@ -630,7 +590,6 @@ def cmd_verify(args) -> int:
     from kvstreams.engine import RolloutEngine
     from kvstreams.envs import is_single_turn
     from kvstreams.policies import POLICIES
-    from kvstreams.prompts import synthetic_prompts
     from kvstreams.verify import verify_policy, verify_strategy
 
     _check_json(args.json)
@@ -668,10 +627,7 @@ def cmd_verify(args) -> int:
                 )[1]
             )
     else:
-        if args.env:
-            _, prompts, _ = _env_prompts(args, tokenizer)
-        else:
-            prompts = synthetic_prompts(tokenizer, args.episodes, args.prompt_len, seed=args.seed)
+        _, _, prompts = _prompts(args, tokenizer)
         for policy in policies:
             with _progress(f"verify {policy.name}", args.max_new_tokens) as advance:
                 report, sampled = verify_policy(
