@@ -7,7 +7,6 @@ disagrees with its sampler beyond tolerance.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import sys
 import time
@@ -585,141 +584,111 @@ def _rollout_episodes(args) -> int:
 
 
 def cmd_verify(args) -> int:
+    """Build what is checked before loading the model (bad names fail fast), check each, optionally
+    measure the floor, print the table; exit 1 when a check fails."""
     from kvstreams.atomic import write_json
-    from kvstreams.compaction import STRATEGIES
-    from kvstreams.engine import RolloutEngine
-    from kvstreams.envs import is_single_turn
-    from kvstreams.policies import POLICIES
-    from kvstreams.verify import verify_policy, verify_strategy
+    from kvstreams.verify import json_payload, passes
 
     _check_json(args.json)
-
     if args.policy and args.strategy:
         raise KVStreamsError("verify either --policy (compression) or --strategy (compaction), not both")
-    check_strategies = bool(args.strategy) or (
-        args.env is not None and not args.policy and not is_single_turn(args.env)
-    )
-    if check_strategies:
-        strategies = [_strategy(name, args) for name in (args.strategy or sorted(STRATEGIES))]
-        _envs(args, 1)  # fail on a bad environment before loading the model
-    else:
-        policies = [
-            _policy(name, args) for name in (args.policy or sorted(n for n in POLICIES if n != "full"))
-        ]
+    strategies = _verifies_strategies(args)
+    subjects = _verify_subjects(args, strategies)
     model, tokenizer = _load(args)
     params = _sampling_params(args)
-    reports, traces, samplers = [], [], []
-    seeds = [args.seed + i for i in range(args.episodes)]
     prompts = None
-    if check_strategies:
-        options = _runner_options(args)
-        for strategy in strategies:
-            with _progress(f"verify {strategy.name}", None) as advance:
-                envs = _envs(args, args.episodes)
-                report, sampled = verify_strategy(
-                    model, tokenizer, strategy, envs, seeds, params, args.backend, advance, **options
-                )
-            reports.append(report)
-            traces.append(sampled)
-            samplers.append(
-                lambda m, s=strategy: verify_strategy(
-                    m, tokenizer, s, _envs(args, args.episodes), seeds, params, args.backend, **options
-                )[1]
-            )
+    if strategies:
+        checks = _check_strategies(args, model, tokenizer, subjects, params)
     else:
         _, _, prompts = _prompts(args, tokenizer)
-        for policy in policies:
-            with _progress(f"verify {policy.name}", args.max_new_tokens) as advance:
-                report, sampled = verify_policy(
-                    model, tokenizer, policy, prompts, params, backend=args.backend, progress=advance
-                )
-            reports.append(report)
-            traces.append(sampled)
-            samplers.append(lambda m, p=policy: RolloutEngine(m, tokenizer, p).generate(prompts, params))
-    floor = None
-    if args.floor:
-        floor = _verify_floor(args, model, tokenizer, params, prompts, seeds, reports, traces, samplers)
-    _print_verify(args, reports, floor, check_strategies)
+        checks = _check_policies(args, model, tokenizer, subjects, prompts, params)
+    floor = _verify_floor(args, model, tokenizer, params, prompts, checks) if args.floor else None
+    reports = [check.report for check in checks]
+    _print_verify(args, reports, floor, strategies)
     if args.json:
         write_json(
-            args.json,
-            {
-                "model": str(args.model),
-                "dtype": args.dtype,
-                "backend": args.backend,
-                "env": args.env,
-                "floor": None if floor is None else dataclasses.asdict(floor) | {"kernel": floor.kernel},
-                "reports": [
-                    r.as_dict() | ({"within_2x_floor": r.within(floor.kernel)} if floor else {})
-                    for r in reports
-                ],
-            },
+            args.json, json_payload(str(args.model), args.dtype, args.backend, args.env, floor, reports)
         )
-    passed = all(r.passed for r in reports) and (
-        floor is None or all(r.within(floor.kernel) for r in reports)
-    )
-    return 0 if passed else 1
+    return 0 if all(passes(r, floor) for r in reports) else 1
 
 
-def _verify_floor(args, model, tokenizer, params, prompts, seeds, reports, traces, samplers):
-    """The float32 floor: the same check with nothing evicted, each report's own rounding, and the
-    whole check again in float64."""
-    from kvstreams.engine import RolloutEngine
-    from kvstreams.episodes import EpisodeRunner
-    from kvstreams.policies import make_policy
-    from kvstreams.verify import add_rounding, measure_floor
+def _verifies_strategies(args) -> bool:
+    """Compaction strategies with ``--strategy``, or with a multi-turn ``--env`` and no ``--policy``;
+    eviction policies otherwise."""
+    from kvstreams.envs import is_single_turn
+
+    return bool(args.strategy) or (args.env is not None and not args.policy and not is_single_turn(args.env))
+
+
+def _verify_subjects(args, strategies: bool) -> list:
+    """The strategies or policies to check (default: every registered one but ``full``)."""
+    from kvstreams.compaction import STRATEGIES
+    from kvstreams.policies import POLICIES
+
+    if strategies:
+        subjects = [_strategy(name, args) for name in (args.strategy or sorted(STRATEGIES))]
+        _envs(args, 1)  # fail on a bad environment before loading the model
+        return subjects
+    return [_policy(name, args) for name in (args.policy or sorted(n for n in POLICIES if n != "full"))]
+
+
+def _check_policies(args, model, tokenizer, policies, prompts, params) -> list:
+    from kvstreams.verify import check_policy
+
+    checks = []
+    for policy in policies:
+        with _progress(f"verify {policy.name}", args.max_new_tokens) as advance:
+            checks.append(check_policy(model, tokenizer, policy, prompts, params, args.backend, advance))
+    return checks
+
+
+def _check_strategies(args, model, tokenizer, strategies, params) -> list:
+    from kvstreams.verify import check_strategy
+
+    options, seeds = _runner_options(args), _seeds(args)
+    checks = []
+    for strategy in strategies:
+        with _progress(f"verify {strategy.name}", None) as advance:
+            checks.append(
+                check_strategy(
+                    model,
+                    tokenizer,
+                    strategy,
+                    lambda: _envs(args, args.episodes),
+                    seeds,
+                    params,
+                    args.backend,
+                    advance,
+                    **options,
+                )
+            )
+    return checks
+
+
+def _verify_floor(args, model, tokenizer, params, prompts, checks):
+    """The float32 floor: the same check with nothing evicted (the policies' prompts, or episodes in
+    full mode), each report's own rounding, and the whole check again in float64."""
+    from kvstreams.verify import floor_and_rounding, unevicted_traces
 
     with _progress("verify floor", None):
-        if prompts is not None:
-            full = RolloutEngine(model, tokenizer, make_policy("full")).generate(prompts, params)
-        else:
-            runner = EpisodeRunner(
-                model, tokenizer, None, mode="full", sampling=params, **_runner_options(args)
-            )
-            results, _ = runner.run(_envs(args, args.episodes), seeds)
-            full = [t for r in results for t in r.traces]
-        floor = measure_floor(model, full, args.backend)
-        for report, sampled, resample in zip(reports, traces, samplers, strict=True):
-            add_rounding(report, model, sampled, args.backend, resample)
-    return floor
+        envs = None if prompts is not None else _envs(args, args.episodes)
+        full = unevicted_traces(
+            model, tokenizer, params, prompts, envs, _seeds(args), **_runner_options(args)
+        )
+        return floor_and_rounding(model, checks, full, args.backend)
 
 
-def _print_verify(args, reports, floor, check_strategies: bool) -> None:
+def _print_verify(args, reports, floor, strategies: bool) -> None:
     from rich.table import Table
 
-    what = f"strategies on {args.env or 'memory'} (stream mode)" if check_strategies else "policies"
+    from kvstreams.verify import SHORT_DTYPE, passes, table_columns, table_row
+
+    what = f"strategies on {args.env or 'memory'} (stream mode)" if strategies else "policies"
     table = Table(title=f"sampler vs learner log-probs, {what}: {args.model} ({args.dtype}, {args.backend})")
-    events = "compactions" if check_strategies else "evictions"
-    columns = ["name", "seqs", "tokens", events, "KV saving", "shadow max|Δ|", "mean|Δ|", "KL k3"]
-    columns += ["dense max|Δ|", "mean|Δ|", "KL k3"]
-    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(args.dtype, args.dtype)
-    columns += [f"learner {short}", f"sampler {short}", "/ floor", "fp64 gap"] if floor else []
-    for col in [*columns, "ok"]:
+    for col in [*table_columns(args.dtype, floor is not None, strategies), "ok"]:
         table.add_column(col, justify="left" if col == "name" else "right", no_wrap=True)
     for r in reports:
-        row = [
-            r.name,
-            str(r.sequences),
-            str(r.tokens),
-            f"{r.eviction_events} (min {r.min_events_per_sequence})",
-            f"{r.kv_saving:.1%}",
-            f"{r.shadow.max_abs_diff:.1e}",
-            f"{r.shadow.mean_abs_diff:.1e}",
-            f"{r.shadow.kl_k3:.1e}",
-            f"{r.dense.max_abs_diff:.2f}",
-            f"{r.dense.mean_abs_diff:.3f}",
-            f"{r.dense.kl_k3:.3f}",
-        ]
-        ok = r.passed
-        if floor:
-            row += [
-                f"{r.rounding:.1e}",
-                f"{r.sampler_rounding:.1e}",
-                f"{r.shadow.max_abs_diff / max(floor.kernel, r.rounding or 0):.2f}x",
-                f"{r.exact_gap:.1e}" if r.exact_gap is not None else "-",
-            ]
-            ok = ok and r.within(floor.kernel)
-        table.add_row(*row, "[green]yes[/]" if ok else "[red]NO[/]")
+        table.add_row(*table_row(r, floor), "[green]yes[/]" if passes(r, floor) else "[red]NO[/]")
     console = _console(200 if floor else 160)
     console.print(table)
     console.print(
@@ -728,6 +697,7 @@ def _print_verify(args, reports, floor, check_strategies: bool) -> None:
         + (" and <= 2x the floor, and fp64 gap <= 1e-5." if floor else ".")
     )
     if floor:
+        short = SHORT_DTYPE.get(args.dtype, args.dtype)
         console.print(
             f"floor: nothing evicted, sampler vs learner max|Δ| {floor.full.max_abs_diff:.1e} (mean "
             f"{floor.full.mean_abs_diff:.1e}); HF's own forward vs kvstreams' replay max|Δ| "
