@@ -193,14 +193,23 @@ def _add_episode_args(p: argparse.ArgumentParser, repeat_strategy: bool = False)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvstreams.policies import POLICIES
-    from kvstreams.tiny import ARCHS
-
     parser = _Parser(
         prog="kvstreams", description="In-place KV eviction while sampling, exact replay while learning."
     )
     parser.add_argument("--debug", action="store_true", help="show the traceback of an unexpected error")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _add_model_commands(sub)
+    _add_sampling_commands(sub)
+    _add_training_commands(sub)
+    p = sub.add_parser("inspect", help="validate trace files and summarise them")
+    p.add_argument("traces", nargs="+")
+    _add_measuring_commands(sub)
+    return parser
+
+
+def _add_model_commands(sub) -> None:
+    """tiny-model and pretrained: make the model directories the other commands read."""
+    from kvstreams.tiny import ARCHS
 
     p = sub.add_parser("tiny-model", help="write a small random HF model + locally trained tokenizer")
     p.add_argument("--arch", default="qwen3", choices=list(ARCHS))
@@ -228,6 +237,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--force", action="store_true", help="convert again even if a cached copy exists")
+
+
+def _add_sampling_commands(sub) -> None:
+    """rollout and verify: sample with a policy or strategy; verify also replays and compares."""
+    from kvstreams.policies import POLICIES
 
     p = sub.add_parser(
         "rollout",
@@ -266,6 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="write the reports to this JSON file")
     p.set_defaults(no_stop=True)  # verification wants full-length sequences, whatever the model's EOS habits
 
+
+def _add_training_commands(sub) -> None:
+    """train, sft and config: everything driven by a training TOML config."""
     p = sub.add_parser("train", help="RL training (GRPO on one-trace replay) from a TOML config")
     p.add_argument("--config", default=None, help="TOML file (default: built-in defaults)")
     p.add_argument(
@@ -287,9 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
 
-    p = sub.add_parser("inspect", help="validate trace files and summarise them")
-    p.add_argument("traces", nargs="+")
 
+def _add_measuring_commands(sub) -> None:
+    """bench and experiment: efficiency figures and the papers' results."""
     p = sub.add_parser(
         "bench", help="benchmarks: stream vs re-prefill rollouts, learner replay memory, decode throughput"
     )
@@ -333,7 +350,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--device", default=None, help="model.device of every run (e.g. cuda); default: the spec's"
     )
-    return parser
 
 
 def _console(width: int = 132):
