@@ -654,7 +654,11 @@ def _check_policies(args, model, tokenizer, policies, prompts, params) -> list:
     checks = []
     for policy in policies:
         with _progress(f"verify {policy.name}", args.max_new_tokens) as advance:
-            checks.append(check_policy(model, tokenizer, policy, prompts, params, args.backend, advance))
+            checks.append(
+                check_policy(
+                    model, tokenizer, policy, prompts, params, backend=args.backend, progress=advance
+                )
+            )
     return checks
 
 

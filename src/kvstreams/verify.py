@@ -238,17 +238,11 @@ class Check:
 
 
 def check_policy(
-    model,
-    tokenizer,
-    policy: EvictionPolicy,
-    prompts: list[list[int]],
-    params: SamplingParams,
-    backend: str = "sdpa",
-    progress: Callable[[int], None] | None = None,
+    model, tokenizer, policy: EvictionPolicy, prompts: list[list[int]], params: SamplingParams, **options
 ) -> Check:
-    report, traces = verify_policy(
-        model, tokenizer, policy, prompts, params, backend=backend, progress=progress
-    )
+    """:func:`verify_policy` (``options``: its backend and progress), and how to sample the same
+    prompts again."""
+    report, traces = verify_policy(model, tokenizer, policy, prompts, params, **options)
     return Check(report, traces, lambda m: RolloutEngine(m, tokenizer, policy).generate(prompts, params))
 
 
