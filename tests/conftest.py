@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstreams.models import load_model, make_tiny_model
+from kvstreams.models import load_model
+from kvstreams.tiny import make_tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -84,7 +84,8 @@ def test_rollout_bench_counts_reprefill_and_stream(tmp_path, bench_models):
     for plot in report.plots:
         assert Path(plot).stat().st_size > 0
     saved = json.loads(report.save(tmp_path / "r.json").read_text())
-    assert saved["machine"]["torch"] == torch.__version__ and saved["sections"][0]["rows"]
+    assert saved["machine"]["torch"] == torch.__version__
+    assert [r["mode"] for r in saved["sections"][0]["rows"]] == [r["mode"] for r in report.sections[0].rows]
 
 
 def test_rollout_curve_plays_every_budget_at_every_length_without_full_context(
@@ -124,11 +125,17 @@ def test_bench_decode_cli_writes_json(tmp_path, bench_models, capsys):
     rows = report["sections"][0]["rows"]
     engines = [(r["engine"], r["policy"]) for r in rows]
     assert ("HF generate", "-") in engines and ("kvstreams", "full") in engines
-    assert len({r["tokens"] for r in rows}) == 1  # every engine decoded the same number of tokens
+    settings = report["settings"]
+    # every engine decoded the same tokens: batch x new tokens
+    assert {r["tokens"] for r in rows} == {settings["batches"][0] * settings["new_tokens"]}
     compressed = next(r for r in rows if r["policy"].startswith("snapkv"))
     full = next(r for r in rows if r["policy"] == "full")
-    assert compressed["KV MB"] < full["KV MB"]
-    assert (out / "decode-quick.json").is_file() and (out / "decode.png").is_file()
+    hf = next(r for r in rows if r["engine"] == "HF generate")
+    assert compressed["KV MB"] == pytest.approx(full["KV MB"] * settings["budget"], rel=0.05)
+    for r in rows:
+        assert r["vs HF generate"] == pytest.approx(r["tokens/s"] / hf["tokens/s"])
+    assert json.loads((out / "decode-quick.json").read_text()) == report  # --json writes the saved report
+    assert (out / "decode.png").is_file()
     assert "vs HF generate" in capsys.readouterr().out
 
 
@@ -161,6 +168,8 @@ def test_bench_on_a_given_model_decodes_at_three_batch_sizes_and_premise_runs(tm
         and rows[0]["dense KL k3"] < 1e-9 < rows[1]["dense KL k3"]
     )
     assert 0.4 < rows[1]["KV saving"] < 0.55  # 50% of each sequence dropped
+    assert rows[0]["KV saving"] == 0 and [r["dropped"] for r in rows] == [0.0, 0.5, 0.5]
+    assert all(0 <= r["accuracy"] <= 1 for r in rows)
     assert all(r["shadow KL k3"] < 1e-9 for r in rows)  # the plot's shadow line: the replay's own KL
     assert main(["bench", "rollout", "--model", str(tiny), "--out", str(tmp_path)]) == 2
     assert "--model is for decode, learner and premise" in capsys.readouterr().err
@@ -185,3 +194,7 @@ def test_bench_learner_on_a_given_model_reports_replay_and_no_empty_step_section
         ("sdpa", "forward+backward"),
     ]
     assert all(r["seconds"] > 0 for r in replay)
+    if peak_memory_supported():  # each pass's peak over the causal learner's, for the same pass
+        causal = {r["pass"]: r["peak MB"] for r in replay if r["backend"] == "causal"}
+        for r in replay:
+            assert r["peak / causal"] == pytest.approx(r["peak MB"] / causal[r["pass"]])

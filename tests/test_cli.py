@@ -52,6 +52,17 @@ def test_rollout_inspect_verify(model_dirs, tmp_path, capsys):
     )
     trace = Trace.load(files[0])
     assert len(trace) == 100 and trace.metadata["policy"] == "h2o" and trace.n_evicted > 0
+    traces = [Trace.load(f) for f in files]
+    assert summary["traces"] == [f.name for f in files]
+    assert summary["tokens_trace"] == sum(len(t) for t in traces)
+    assert summary["tokens_sampled"] == 3 * 60  # --no-stop: every sequence samples max-new-tokens
+    assert summary["rewards"] is None and summary["reward_mean"] is None  # no environment, no rewards
+    assert summary["budget_entries"] == [48]  # the last batch holds the third sequence alone
+    for t, events, saving in zip(traces, summary["eviction_events"], summary["kv_saving"], strict=True):
+        # interval 1: once 48 entries are cached, every further token evicts one entry per layer and head
+        assert events == len(t) - 48 and t.n_evicted == events * t.death.shape[0] * t.death.shape[1]
+        assert 0 < saving < 1 and saving == round(t.kv_saving(), 4)
+    assert summary["kv_saving_mean"] == pytest.approx(sum(t.kv_saving() for t in traces) / 3)
 
     assert run(["inspect", *map(str, files)]) == 0
     assert "trace-00002" in capsys.readouterr().out
@@ -81,9 +92,15 @@ def test_rollout_inspect_verify(model_dirs, tmp_path, capsys):
     assert rc == 0
     data = json.loads(report.read_text())
     assert [r["name"] for r in data["reports"]] == ["recent", "knorm"]
+    assert data["floor"] is None and data["dtype"] == "float32" and data["env"] is None
     for r in data["reports"]:
         assert r["passed"] and r["shadow"]["max_abs_diff"] <= 1e-4 < r["dense"]["max_abs_diff"]
         assert 0.2 < r["kv_saving"] < 0.3  # 30% dropped per sequence, within what one interval lets grow
+        assert r["sequences"] == 2 and r["tokens"] == 2 * 140 and r["sampled_tokens"] == 2 * 100
+        assert 0 < r["min_events_per_sequence"] <= r["eviction_events"] / 2 and r["evicted_entries"] > 0
+        assert "within_2x_floor" not in r  # no floor measured, no verdict against it
+    recent, knorm = data["reports"]
+    assert knorm["eviction_events"] < recent["eviction_events"]  # knorm frees 16 entries a round, recent 1
     assert "recent" in capsys.readouterr().out
 
 
@@ -194,6 +211,15 @@ def test_episode_rollouts_write_traces_and_summary(model_dirs, tmp_path):
     assert summary["tokens_reprefilled"] > 0 and summary["compactions"] >= 2
     segments = sorted(out.glob("episode-00000-seg*.safetensors"))
     assert len(segments) == summary["episode_results"][0]["segments"] >= 2
+    files = sorted(out.glob("episode-*.safetensors"))
+    assert summary["traces"] == [f.name for f in files] and summary["episodes"] == 2
+    assert summary["tokens_trace"] == sum(len(Trace.load(f)) for f in files)
+    results = summary["episode_results"]
+    assert [r["seed"] for r in results] == [0, 1]
+    assert summary["compactions"] == sum(r["compactions"] for r in results)
+    assert all(r["segments"] == r["compactions"] + 1 for r in results)  # each compaction starts a segment
+    assert 0 < summary["tokens_reprefilled"] < summary["tokens_forwarded"]
+    assert summary["kv_peak_entries"] > 0 and summary["kv_peak_bytes"] > 0
     assert Trace.load(segments[1]).metadata["mode"] == "reprefill"
 
     out = tmp_path / "stream"
@@ -221,6 +247,9 @@ def test_episode_rollouts_write_traces_and_summary(model_dirs, tmp_path):
     assert summary["mode"] == "stream" and summary["tokens_reprefilled"] == 0 and summary["tokens_filler"] > 0
     assert "tokens_reprefilled_predicted" not in summary
     assert [p.name for p in out.glob("*.safetensors")] == ["episode-00000.safetensors"]
+    (result,) = summary["episode_results"]
+    assert result["segments"] == 1 and result["compactions"] == summary["compactions"] > 0
+    assert summary["tokens_trace"] == len(Trace.load(out / "episode-00000.safetensors"))
 
 
 def test_single_turn_env_rollout_reports_rewards(model_dirs, tmp_path, gsm8k_path):
@@ -247,6 +276,11 @@ def test_single_turn_env_rollout_reports_rewards(model_dirs, tmp_path, gsm8k_pat
     assert rc == 0
     summary = json.loads((out / "summary.json").read_text())
     assert len(summary["rewards"]) == 2 and all(r in (0.0, 1.0) for r in summary["rewards"])
+    assert summary["reward_mean"] == sum(summary["rewards"]) / 2 and summary["env"] == "gsm8k"
+    assert summary["tokens_sampled"] <= 2 * 40
+    # the default budget keeps half of each sequence: every sequence evicts and saves about half
+    assert all(e > 0 for e in summary["eviction_events"]) and len(summary["budget_entries"]) == 2
+    assert all(0.3 < s < 0.55 for s in summary["kv_saving"])
 
 
 def test_verify_strategies(model_dirs, tmp_path):
@@ -271,6 +305,8 @@ def test_verify_strategies(model_dirs, tmp_path):
     assert rc == 0
     (r,) = json.loads(report.read_text())["reports"]
     assert r["kind"] == "strategy" and r["passed"] and r["eviction_events"] >= 3
+    assert r["sequences"] == 1 and r["min_events_per_sequence"] == r["eviction_events"]
+    assert 0 < r["sampled_tokens"] < r["tokens"] and r["evicted_entries"] > 0 and 0 < r["kv_saving"] < 1
 
 
 @pytest.mark.parametrize(

@@ -279,7 +279,8 @@ def test_prefill_holds_one_layer_of_prompt_kv_at_a_time(tmp_path):
     process's peak memory during a 2,048-token prefill with a 64-entry budget: 8 layers need no
     more than 2 layers plus one layer's prompt K/V (with the cache they needed 6 layers' more)."""
     from kvstreams.bench.report import measure_peak
-    from kvstreams.models import load_model, make_tiny_model
+    from kvstreams.models import load_model
+    from kvstreams.tiny import make_tiny_model
 
     prompt = random_prompts(1, 2048)
     peaks = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -32,11 +33,42 @@ def kept(policy, v: EntryView, target: int) -> list[int]:
     return sorted(v.index[keep].tolist())
 
 
-def test_registry_has_the_papers_policies():
-    assert {"snapkv", "h2o", "streaming_llm", "recent", "random", "knorm", "full"} <= set(POLICIES)
-    for name, cls in POLICIES.items():
-        assert cls.__doc__ or cls.__module__, name
-        assert make_policy(name).name == name
+# What each policy's module docstring says: the paper it follows, and defaults that must match the code.
+DOCUMENTED = {
+    "snapkv": (
+        "Li et al., 2024",
+        {"window 32": ("window", 32), "kernel 7": ("kernel_size", 7), "interval 32": ("interval", 32)},
+    ),
+    "h2o": (
+        "Zhang et al., 2023",
+        {"``recent_ratio`` 0.5": ("recent_ratio", 0.5), "``interval`` 1": ("interval", 1)},
+    ),
+    "streaming_llm": (
+        "Xiao et al., 2024",
+        {"4 sinks": ("n_sink", 4), "one entry evicted per step": ("interval", 1)},
+    ),
+    "knorm": ("Devoto et al., 2024", {"interval 16": ("interval", 16)}),
+    "random": ("Shadow Mask Distillation paper's ablation", {"interval 16": ("interval", 16)}),
+    "recent": ("Shadow Mask Distillation paper's ablation", {"one entry evicted per step": ("interval", 1)}),
+    "full": ("never evict", {}),
+}
+
+
+def test_registry_has_the_papers_policies_and_their_docs_state_the_real_defaults():
+    builtin = {
+        name: cls for name, cls in POLICIES.items() if cls.__module__.startswith("kvstreams.policies.")
+    }
+    assert set(builtin) == set(DOCUMENTED)  # a new policy states its paper and defaults here too
+    for name, cls in builtin.items():
+        policy = make_policy(name)
+        assert policy.name == name
+        doc = " ".join(sys.modules[cls.__module__].__doc__.split())  # the module docstring, one line
+        cites, defaults = DOCUMENTED[name]
+        assert cites in doc, name
+        for phrase, (field, value) in defaults.items():
+            assert phrase in doc and getattr(policy, field) == value, (name, phrase)
+        if name != "full":
+            assert "budget 50% of the context" in doc and policy.budget == 0.5, name
 
 
 def test_default_budget_is_half_the_context():

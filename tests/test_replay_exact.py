@@ -129,7 +129,8 @@ def test_replay_with_early_stops_and_truncated_sampling(qwen):
 
 @pytest.mark.parametrize("arch", ["qwen2", "mistral"])
 def test_other_families_replay_exactly(tmp_path, arch):
-    from kvstreams.models import load_model, make_tiny_model
+    from kvstreams.models import load_model
+    from kvstreams.tiny import make_tiny_model
 
     model, tok = load_model(make_tiny_model(tmp_path / arch, arch=arch, layers=2))
     engine = RolloutEngine(model, tok, make_policy("snapkv", budget=96))

@@ -7,7 +7,6 @@ disagrees with its sampler beyond tolerance.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import sys
 import time
@@ -73,7 +72,9 @@ def _device(text: str) -> str:
     return text
 
 
-def _policy_args(pairs: Sequence[str], flag: str = "--policy-arg") -> dict[str, object]:
+def _key_value_args(pairs: Sequence[str], flag: str = "--policy-arg") -> dict[str, object]:
+    """``KEY=VALUE`` options of a policy, strategy or environment as keyword arguments: numbers become
+    int or float, anything else stays a string; dashes in keys become underscores."""
     out: dict[str, object] = {}
     for pair in pairs:
         if "=" not in pair:
@@ -192,14 +193,23 @@ def _add_episode_args(p: argparse.ArgumentParser, repeat_strategy: bool = False)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvstreams.models import ARCHS
-    from kvstreams.policies import POLICIES
-
     parser = _Parser(
         prog="kvstreams", description="In-place KV eviction while sampling, exact replay while learning."
     )
     parser.add_argument("--debug", action="store_true", help="show the traceback of an unexpected error")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _add_model_commands(sub)
+    _add_sampling_commands(sub)
+    _add_training_commands(sub)
+    p = sub.add_parser("inspect", help="validate trace files and summarise them")
+    p.add_argument("traces", nargs="+")
+    _add_measuring_commands(sub)
+    return parser
+
+
+def _add_model_commands(sub) -> None:
+    """tiny-model and pretrained: make the model directories the other commands read."""
+    from kvstreams.tiny import ARCHS
 
     p = sub.add_parser("tiny-model", help="write a small random HF model + locally trained tokenizer")
     p.add_argument("--arch", default="qwen3", choices=list(ARCHS))
@@ -227,6 +237,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--force", action="store_true", help="convert again even if a cached copy exists")
+
+
+def _add_sampling_commands(sub) -> None:
+    """rollout and verify: sample with a policy or strategy; verify also replays and compares."""
+    from kvstreams.policies import POLICIES
 
     p = sub.add_parser(
         "rollout",
@@ -265,6 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="write the reports to this JSON file")
     p.set_defaults(no_stop=True)  # verification wants full-length sequences, whatever the model's EOS habits
 
+
+def _add_training_commands(sub) -> None:
+    """train, sft and config: everything driven by a training TOML config."""
     p = sub.add_parser("train", help="RL training (GRPO on one-trace replay) from a TOML config")
     p.add_argument("--config", default=None, help="TOML file (default: built-in defaults)")
     p.add_argument(
@@ -286,9 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
 
-    p = sub.add_parser("inspect", help="validate trace files and summarise them")
-    p.add_argument("traces", nargs="+")
 
+def _add_measuring_commands(sub) -> None:
+    """bench and experiment: efficiency figures and the papers' results."""
     p = sub.add_parser(
         "bench", help="benchmarks: stream vs re-prefill rollouts, learner replay memory, decode throughput"
     )
@@ -332,7 +350,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--device", default=None, help="model.device of every run (e.g. cuda); default: the spec's"
     )
-    return parser
 
 
 def _console(width: int = 132):
@@ -358,7 +375,7 @@ def _progress(description: str, total: int | None):
         yield lambda n=1: progress.advance(task, n)
 
 
-def _sampling_params(args, tokenizer):
+def _sampling_params(args):
     from kvstreams.engine import SamplingParams
 
     return SamplingParams(
@@ -374,7 +391,7 @@ def _sampling_params(args, tokenizer):
 def _policy(name: str, args):
     from kvstreams.policies import make_policy, parse_budget
 
-    options = _policy_args(args.policy_arg)
+    options = _key_value_args(args.policy_arg)
     if args.budget is not None and args.compression is not None:
         raise KVStreamsError("give --budget (share kept) or --compression (share dropped), not both")
     if args.budget is not None:
@@ -421,7 +438,7 @@ def cmd_pretrained(args) -> int:
 
 
 def cmd_tiny_model(args) -> int:
-    from kvstreams.models import make_tiny_model
+    from kvstreams.tiny import make_tiny_model
 
     if (Path(args.out) / "config.json").exists() and not args.force:
         raise KVStreamsError(f"--out {args.out!r} already holds a model; pass --force to overwrite it")
@@ -444,7 +461,7 @@ def cmd_tiny_model(args) -> int:
 def _strategy(name: str, args):
     from kvstreams.compaction import make_strategy
 
-    options = _policy_args(args.strategy_arg, "--strategy-arg")
+    options = _key_value_args(args.strategy_arg, "--strategy-arg")
     if args.compact_budget is not None:
         options["budget"] = args.compact_budget
     if args.turn_budget is not None:
@@ -456,7 +473,7 @@ def _envs(args, n: int):
     from kvstreams.envs import make_env
 
     name = args.env or "memory"
-    options = _policy_args(args.env_arg, "--env-arg")
+    options = _key_value_args(args.env_arg, "--env-arg")
     return [make_env(name, **options) for _ in range(n)]
 
 
@@ -468,14 +485,22 @@ def _runner_options(args) -> dict:
     }
 
 
-def _env_prompts(args, tokenizer):
-    """Single-turn prompts from an environment: its opening messages and the assistant header."""
-    from kvstreams.chat import ChatFormat
+def _seeds(args) -> list[int]:
+    return [args.seed + i for i in range(args.episodes)]
 
+
+def _prompts(args, tokenizer):
+    """Single-turn prompts: (envs, chat, prompts) from ``--env``, whose environments score the replies,
+    or synthetic ones of ``--prompt-len`` tokens (envs and chat None)."""
+    from kvstreams.chat import ChatFormat
+    from kvstreams.prompts import synthetic_prompts
+    from kvstreams.single_turn import env_prompts
+
+    if not args.env:
+        return None, None, synthetic_prompts(tokenizer, args.episodes, args.prompt_len, seed=args.seed)
     chat = ChatFormat(tokenizer)
     envs = _envs(args, args.episodes)
-    prompts = [chat.head(env.reset(args.seed + i)) + chat.assistant_header() for i, env in enumerate(envs)]
-    return envs, prompts, chat
+    return envs, chat, env_prompts(chat, envs, _seeds(args))
 
 
 def cmd_rollout(args) -> int:
@@ -504,7 +529,8 @@ def _check_json(path: str | None) -> None:
 def _rollout_policy(args) -> int:
     from kvstreams.atomic import write_json
     from kvstreams.engine import RolloutEngine
-    from kvstreams.prompts import synthetic_prompts
+    from kvstreams.rollout_summary import policy_summary, save_policy_traces
+    from kvstreams.single_turn import reply_reward, sample_in_batches
 
     policy = _policy(args.policy or "snapkv", args)
     out = Path(args.out)
@@ -516,49 +542,24 @@ def _rollout_policy(args) -> int:
         raise KVStreamsError(
             f"--prompt-len + --max-new-tokens = {longest} exceeds the model's max_position_embeddings ({limit})"
         )
-    params = _sampling_params(args, tokenizer)
-    envs, chat = None, None
-    if args.env:
-        envs, prompts, chat = _env_prompts(args, tokenizer)
-    else:
-        prompts = synthetic_prompts(tokenizer, args.episodes, args.prompt_len, seed=args.seed)
+    params = _sampling_params(args)
+    envs, chat, prompts = _prompts(args, tokenizer)
     engine = RolloutEngine(model, tokenizer, policy, model_name=str(args.model))
-    traces, events, start = [], [], time.perf_counter()
+    start = time.perf_counter()
     n_batches = -(-len(prompts) // args.batch_size)
     with _progress(f"rollout {policy.name}", n_batches * args.max_new_tokens) as advance:
-        for i in range(0, len(prompts), args.batch_size):
-            batch_params = dataclasses.replace(params, seed=args.seed + i)
-            traces += engine.generate(prompts[i : i + args.batch_size], batch_params, progress=advance)
-            events += engine.last_stats.eviction_events
+        traces, events = sample_in_batches(engine, prompts, params, args.batch_size, progress=advance)
     seconds = time.perf_counter() - start
     rewards = None
     if envs is not None and chat is not None:
-        rewards = []
-        for env, trace in zip(envs, traces, strict=True):
-            reply = trace.tokens[trace.sampled_mask].tolist()
-            rewards.append(float(env.step(chat.decode(reply)).reward))
-    paths = [trace.save(out / f"trace-{i:05d}.safetensors") for i, trace in enumerate(traces)]
-    summary = {
-        "policy": policy.describe(),
-        "model": str(args.model),
-        "env": args.env,
-        "episodes": len(traces),
-        "tokens_trace": sum(len(t) for t in traces),
-        "tokens_sampled": sum(int(t.sampled_mask.sum()) for t in traces),
-        "eviction_events": events,
-        "budget_entries": engine.last_stats.budgets,
-        # SMD's "Toks. saving": 1 - KV entries the sampled tokens' queries saw / a full cache's
-        "kv_saving": [round(t.kv_saving(), 4) for t in traces],
-        "kv_saving_mean": sum(t.kv_saving() for t in traces) / len(traces),
-        "kv_capacity_entries": engine.last_stats.kv_capacity,
-        "rewards": rewards,
-        "reward_mean": None if rewards is None else sum(rewards) / len(rewards),
-        "seconds": round(seconds, 3),
-        "traces": [p.name for p in paths],
-    }
+        rewards = [reply_reward(env, chat, trace) for env, trace in zip(envs, traces, strict=True)]
+    names = save_policy_traces(traces, out)
+    summary = policy_summary(
+        policy, str(args.model), args.env, traces, events, engine.last_stats, rewards, seconds, names
+    )
     write_json(out / "summary.json", summary)
     print(
-        f"wrote {len(paths)} traces ({summary['tokens_trace']} tokens, {sum(events)} eviction events, "
+        f"wrote {len(names)} traces ({summary['tokens_trace']} tokens, {sum(events)} eviction events, "
         f"KV saving {summary['kv_saving_mean']:.1%}) to {out} in {seconds:.1f}s"
     )
     return 0
@@ -567,6 +568,7 @@ def _rollout_policy(args) -> int:
 def _rollout_episodes(args) -> int:
     from kvstreams.atomic import write_json
     from kvstreams.episodes import EpisodeRunner
+    from kvstreams.rollout_summary import episode_summary, save_episode_traces
 
     if args.policy:
         raise KVStreamsError(
@@ -580,39 +582,14 @@ def _rollout_episodes(args) -> int:
     out = Path(args.out)
     _check_out(out, traces=True)
     model, tokenizer = _load(args)
-    params = _sampling_params(args, tokenizer)
+    params = _sampling_params(args)
     runner = EpisodeRunner(model, tokenizer, strategy, mode=mode, sampling=params, **_runner_options(args))
-    seeds = [args.seed + i for i in range(args.episodes)]
     with _progress(f"rollout {args.env or 'memory'} {mode}", None) as advance:
-        results, stats = runner.run(envs, seeds, progress=advance)
-    names = []
-    for r in results:
-        for k, trace in enumerate(r.traces):
-            suffix = f"-seg{k:02d}" if mode == "reprefill" else ""
-            names.append(trace.save(out / f"episode-{r.episode:05d}{suffix}.safetensors").name)
-    summary = {
-        **stats.as_dict(),
-        "mode": mode,
-        "env": args.env or "memory",
-        "strategy": strategy.describe() if strategy else None,
-        "model": str(args.model),
-        "block_size": args.block_size,
-        "episode_results": [
-            {
-                "episode": r.episode,
-                "seed": r.seed,
-                "reward": r.reward,
-                "compactions": len(r.compactions),
-                "segments": len(r.traces),
-                "end": r.info.get("end"),
-            }
-            for r in results
-        ],
-        "traces": names,
-    }
-    if mode != "reprefill":
-        summary.pop("tokens_reprefilled_predicted")
-        summary.pop("tokens_reprefilled_predicted_steady")
+        results, stats = runner.run(envs, _seeds(args), progress=advance)
+    names = save_episode_traces(results, out, mode)
+    summary = episode_summary(
+        stats, results, mode, args.env or "memory", strategy, str(args.model), args.block_size, names
+    )
     write_json(out / "summary.json", summary)
     print(
         f"wrote {len(names)} traces from {len(results)} episodes ({mode}): {stats.tokens_forwarded} tokens forwarded, "
@@ -623,145 +600,115 @@ def _rollout_episodes(args) -> int:
 
 
 def cmd_verify(args) -> int:
+    """Build what is checked before loading the model (bad names fail fast), check each, optionally
+    measure the floor, print the table; exit 1 when a check fails."""
     from kvstreams.atomic import write_json
-    from kvstreams.compaction import STRATEGIES
-    from kvstreams.engine import RolloutEngine
-    from kvstreams.envs import is_single_turn
-    from kvstreams.policies import POLICIES
-    from kvstreams.prompts import synthetic_prompts
-    from kvstreams.verify import verify_policy, verify_strategy
+    from kvstreams.verify import json_payload, passes
 
     _check_json(args.json)
-
     if args.policy and args.strategy:
         raise KVStreamsError("verify either --policy (compression) or --strategy (compaction), not both")
-    check_strategies = bool(args.strategy) or (
-        args.env is not None and not args.policy and not is_single_turn(args.env)
-    )
-    if check_strategies:
-        strategies = [_strategy(name, args) for name in (args.strategy or sorted(STRATEGIES))]
-        _envs(args, 1)  # fail on a bad environment before loading the model
-    else:
-        policies = [
-            _policy(name, args) for name in (args.policy or sorted(n for n in POLICIES if n != "full"))
-        ]
+    strategies = _verifies_strategies(args)
+    subjects = _verify_subjects(args, strategies)
     model, tokenizer = _load(args)
-    params = _sampling_params(args, tokenizer)
-    reports, traces, samplers = [], [], []
-    seeds = [args.seed + i for i in range(args.episodes)]
+    params = _sampling_params(args)
     prompts = None
-    if check_strategies:
-        options = _runner_options(args)
-        for strategy in strategies:
-            with _progress(f"verify {strategy.name}", None) as advance:
-                envs = _envs(args, args.episodes)
-                report, sampled = verify_strategy(
-                    model, tokenizer, strategy, envs, seeds, params, args.backend, advance, **options
-                )
-            reports.append(report)
-            traces.append(sampled)
-            samplers.append(
-                lambda m, s=strategy: verify_strategy(
-                    m, tokenizer, s, _envs(args, args.episodes), seeds, params, args.backend, **options
-                )[1]
-            )
+    if strategies:
+        checks = _check_strategies(args, model, tokenizer, subjects, params)
     else:
-        if args.env:
-            _, prompts, _ = _env_prompts(args, tokenizer)
-        else:
-            prompts = synthetic_prompts(tokenizer, args.episodes, args.prompt_len, seed=args.seed)
-        for policy in policies:
-            with _progress(f"verify {policy.name}", args.max_new_tokens) as advance:
-                report, sampled = verify_policy(
-                    model, tokenizer, policy, prompts, params, backend=args.backend, progress=advance
-                )
-            reports.append(report)
-            traces.append(sampled)
-            samplers.append(lambda m, p=policy: RolloutEngine(m, tokenizer, p).generate(prompts, params))
-    floor = None
-    if args.floor:
-        floor = _verify_floor(args, model, tokenizer, params, prompts, seeds, reports, traces, samplers)
-    _print_verify(args, reports, floor, check_strategies)
+        _, _, prompts = _prompts(args, tokenizer)
+        checks = _check_policies(args, model, tokenizer, subjects, prompts, params)
+    floor = _verify_floor(args, model, tokenizer, params, prompts, checks) if args.floor else None
+    reports = [check.report for check in checks]
+    _print_verify(args, reports, floor, strategies)
     if args.json:
         write_json(
-            args.json,
-            {
-                "model": str(args.model),
-                "dtype": args.dtype,
-                "backend": args.backend,
-                "env": args.env,
-                "floor": None if floor is None else dataclasses.asdict(floor) | {"kernel": floor.kernel},
-                "reports": [
-                    r.as_dict() | ({"within_2x_floor": r.within(floor.kernel)} if floor else {})
-                    for r in reports
-                ],
-            },
+            args.json, json_payload(str(args.model), args.dtype, args.backend, args.env, floor, reports)
         )
-    passed = all(r.passed for r in reports) and (
-        floor is None or all(r.within(floor.kernel) for r in reports)
-    )
-    return 0 if passed else 1
+    return 0 if all(passes(r, floor) for r in reports) else 1
 
 
-def _verify_floor(args, model, tokenizer, params, prompts, seeds, reports, traces, samplers):
-    """The float32 floor: the same check with nothing evicted, each report's own rounding, and the
-    whole check again in float64."""
-    from kvstreams.engine import RolloutEngine
-    from kvstreams.episodes import EpisodeRunner
-    from kvstreams.policies import make_policy
-    from kvstreams.verify import add_rounding, measure_floor
+def _verifies_strategies(args) -> bool:
+    """Compaction strategies with ``--strategy``, or with a multi-turn ``--env`` and no ``--policy``;
+    eviction policies otherwise."""
+    from kvstreams.envs import is_single_turn
+
+    return bool(args.strategy) or (args.env is not None and not args.policy and not is_single_turn(args.env))
+
+
+def _verify_subjects(args, strategies: bool) -> list:
+    """The strategies or policies to check (default: every registered one but ``full``)."""
+    from kvstreams.compaction import STRATEGIES
+    from kvstreams.policies import POLICIES
+
+    if strategies:
+        subjects = [_strategy(name, args) for name in (args.strategy or sorted(STRATEGIES))]
+        _envs(args, 1)  # fail on a bad environment before loading the model
+        return subjects
+    return [_policy(name, args) for name in (args.policy or sorted(n for n in POLICIES if n != "full"))]
+
+
+def _check_policies(args, model, tokenizer, policies, prompts, params) -> list:
+    from kvstreams.verify import check_policy
+
+    checks = []
+    for policy in policies:
+        with _progress(f"verify {policy.name}", args.max_new_tokens) as advance:
+            checks.append(
+                check_policy(
+                    model, tokenizer, policy, prompts, params, backend=args.backend, progress=advance
+                )
+            )
+    return checks
+
+
+def _check_strategies(args, model, tokenizer, strategies, params) -> list:
+    from kvstreams.verify import check_strategy
+
+    options, seeds = _runner_options(args), _seeds(args)
+    checks = []
+    for strategy in strategies:
+        with _progress(f"verify {strategy.name}", None) as advance:
+            checks.append(
+                check_strategy(
+                    model,
+                    tokenizer,
+                    strategy,
+                    lambda: _envs(args, args.episodes),
+                    seeds,
+                    params,
+                    args.backend,
+                    advance,
+                    **options,
+                )
+            )
+    return checks
+
+
+def _verify_floor(args, model, tokenizer, params, prompts, checks):
+    """The float32 floor: the same check with nothing evicted (the policies' prompts, or episodes in
+    full mode), each report's own rounding, and the whole check again in float64."""
+    from kvstreams.verify import floor_and_rounding, unevicted_traces
 
     with _progress("verify floor", None):
-        if prompts is not None:
-            full = RolloutEngine(model, tokenizer, make_policy("full")).generate(prompts, params)
-        else:
-            runner = EpisodeRunner(
-                model, tokenizer, None, mode="full", sampling=params, **_runner_options(args)
-            )
-            results, _ = runner.run(_envs(args, args.episodes), seeds)
-            full = [t for r in results for t in r.traces]
-        floor = measure_floor(model, full, args.backend)
-        for report, sampled, resample in zip(reports, traces, samplers, strict=True):
-            add_rounding(report, model, sampled, args.backend, resample)
-    return floor
+        envs = None if prompts is not None else _envs(args, args.episodes)
+        full = unevicted_traces(
+            model, tokenizer, params, prompts, envs, _seeds(args), **_runner_options(args)
+        )
+        return floor_and_rounding(model, checks, full, args.backend)
 
 
-def _print_verify(args, reports, floor, check_strategies: bool) -> None:
+def _print_verify(args, reports, floor, strategies: bool) -> None:
     from rich.table import Table
 
-    what = f"strategies on {args.env or 'memory'} (stream mode)" if check_strategies else "policies"
+    from kvstreams.verify import SHORT_DTYPE, passes, table_columns, table_row
+
+    what = f"strategies on {args.env or 'memory'} (stream mode)" if strategies else "policies"
     table = Table(title=f"sampler vs learner log-probs, {what}: {args.model} ({args.dtype}, {args.backend})")
-    events = "compactions" if check_strategies else "evictions"
-    columns = ["name", "seqs", "tokens", events, "KV saving", "shadow max|Δ|", "mean|Δ|", "KL k3"]
-    columns += ["dense max|Δ|", "mean|Δ|", "KL k3"]
-    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(args.dtype, args.dtype)
-    columns += [f"learner {short}", f"sampler {short}", "/ floor", "fp64 gap"] if floor else []
-    for col in [*columns, "ok"]:
+    for col in [*table_columns(args.dtype, floor is not None, strategies), "ok"]:
         table.add_column(col, justify="left" if col == "name" else "right", no_wrap=True)
     for r in reports:
-        row = [
-            r.name,
-            str(r.sequences),
-            str(r.tokens),
-            f"{r.eviction_events} (min {r.min_events_per_sequence})",
-            f"{r.kv_saving:.1%}",
-            f"{r.shadow.max_abs_diff:.1e}",
-            f"{r.shadow.mean_abs_diff:.1e}",
-            f"{r.shadow.kl_k3:.1e}",
-            f"{r.dense.max_abs_diff:.2f}",
-            f"{r.dense.mean_abs_diff:.3f}",
-            f"{r.dense.kl_k3:.3f}",
-        ]
-        ok = r.passed
-        if floor:
-            row += [
-                f"{r.rounding:.1e}",
-                f"{r.sampler_rounding:.1e}",
-                f"{r.shadow.max_abs_diff / max(floor.kernel, r.rounding or 0):.2f}x",
-                f"{r.exact_gap:.1e}" if r.exact_gap is not None else "-",
-            ]
-            ok = ok and r.within(floor.kernel)
-        table.add_row(*row, "[green]yes[/]" if ok else "[red]NO[/]")
+        table.add_row(*table_row(r, floor), "[green]yes[/]" if passes(r, floor) else "[red]NO[/]")
     console = _console(200 if floor else 160)
     console.print(table)
     console.print(
@@ -770,6 +717,7 @@ def _print_verify(args, reports, floor, check_strategies: bool) -> None:
         + (" and <= 2x the floor, and fp64 gap <= 1e-5." if floor else ".")
     )
     if floor:
+        short = SHORT_DTYPE.get(args.dtype, args.dtype)
         console.print(
             f"floor: nothing evicted, sampler vs learner max|Δ| {floor.full.max_abs_diff:.1e} (mean "
             f"{floor.full.mean_abs_diff:.1e}); HF's own forward vs kvstreams' replay max|Δ| "
@@ -856,14 +804,9 @@ def cmd_experiment(args) -> int:
             spec = experiments.load_spec(name)
             print(f"{name:22s} {spec.title}")
         return 0
-    from kvstreams.train.config import parse_value
+    from kvstreams.train.config import parse_override
 
-    overrides = {}
-    for item in args.set:
-        if "=" not in item:
-            raise KVStreamsError(f"--set takes key=value, got {item!r}")
-        key, raw = item.split("=", 1)
-        overrides[key.strip()] = parse_value(raw.strip())
+    overrides = dict(parse_override(item) for item in args.set)
     if args.device:
         overrides["model.device"] = args.device
     spec = experiments.load_spec(args.name, overrides)

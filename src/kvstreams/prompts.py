@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 
 from kvstreams.errors import KVStreamsError
-from kvstreams.models import WORDS
+from kvstreams.words import WORDS
 
 
 def _chat_ids(tokenizer, content: str) -> list[int]:

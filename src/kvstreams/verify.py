@@ -29,7 +29,7 @@ from kvstreams.compaction import CompactionStrategy
 from kvstreams.engine import RolloutEngine, SamplingParams
 from kvstreams.envs import Environment
 from kvstreams.episodes import EpisodeRunner
-from kvstreams.policies import EvictionPolicy
+from kvstreams.policies import EvictionPolicy, make_policy
 from kvstreams.replay import replay_logprobs
 from kvstreams.trace import Trace
 from kvstreams.train.mismatch import mismatch_metrics
@@ -221,3 +221,141 @@ def _max_gap(traces: Sequence[Trace], a: Sequence[torch.Tensor], b: Sequence[tor
         if bool(t.sampled_mask.any())
     ]
     return max(gaps, default=0.0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The whole check, as ``kvstreams verify`` runs it: one per policy or strategy, the floor, the outcome
+
+
+@dataclass
+class Check:
+    """One policy's or strategy's check: its report, the traces it replayed, and how to sample those
+    traces again with another model (the float64 copy that ``--floor`` compares against)."""
+
+    report: Report
+    traces: list[Trace]
+    resample: Callable[[torch.nn.Module], list[Trace]]
+
+
+def check_policy(
+    model, tokenizer, policy: EvictionPolicy, prompts: list[list[int]], params: SamplingParams, **options
+) -> Check:
+    """:func:`verify_policy` (``options``: its backend and progress), and how to sample the same
+    prompts again."""
+    report, traces = verify_policy(model, tokenizer, policy, prompts, params, **options)
+    return Check(report, traces, lambda m: RolloutEngine(m, tokenizer, policy).generate(prompts, params))
+
+
+def check_strategy(
+    model,
+    tokenizer,
+    strategy: CompactionStrategy,
+    make_envs: Callable[[], list[Environment]],
+    seeds: list[int],
+    params: SamplingParams,
+    backend: str = "sdpa",
+    progress: Callable[[int], None] | None = None,
+    **runner_options,
+) -> Check:
+    """``make_envs`` gives fresh environments: a resample plays the same episodes from their start."""
+    report, traces = verify_strategy(
+        model, tokenizer, strategy, make_envs(), seeds, params, backend, progress, **runner_options
+    )
+
+    def resample(m: torch.nn.Module) -> list[Trace]:
+        return verify_strategy(m, tokenizer, strategy, make_envs(), seeds, params, backend, **runner_options)[
+            1
+        ]
+
+    return Check(report, traces, resample)
+
+
+def unevicted_traces(
+    model,
+    tokenizer,
+    params: SamplingParams,
+    prompts: list[list[int]] | None = None,
+    envs: list[Environment] | None = None,
+    seeds: list[int] | None = None,
+    **runner_options,
+) -> list[Trace]:
+    """The same sampling with nothing evicted: the ``full`` policy on ``prompts``, or else episodes of
+    ``envs`` in ``full`` mode."""
+    if prompts is not None:
+        return RolloutEngine(model, tokenizer, make_policy("full")).generate(prompts, params)
+    runner = EpisodeRunner(model, tokenizer, None, mode="full", sampling=params, **runner_options)
+    results, _ = runner.run(envs, seeds)
+    return [t for r in results for t in r.traces]
+
+
+def floor_and_rounding(
+    model, checks: Sequence[Check], unevicted: list[Trace], backend: str = "sdpa"
+) -> Floor:
+    """The float32 floor from the ``unevicted`` traces, and each check's own rounding (added to its
+    report), with the whole check again in float64."""
+    floor = measure_floor(model, unevicted, backend)
+    for check in checks:
+        add_rounding(check.report, model, check.traces, backend, check.resample)
+    return floor
+
+
+def passes(report: Report, floor: Floor | None) -> bool:
+    """Within tolerance, and with a floor measured, within 2x of it (and exact in float64)."""
+    return report.passed and (floor is None or report.within(floor.kernel))
+
+
+def json_payload(
+    model: str, dtype: str, backend: str, env: str | None, floor: Floor | None, reports: list[Report]
+) -> dict:
+    """What ``verify --json`` writes."""
+    return {
+        "model": model,
+        "dtype": dtype,
+        "backend": backend,
+        "env": env,
+        "floor": None if floor is None else asdict(floor) | {"kernel": floor.kernel},
+        "reports": [
+            r.as_dict() | ({"within_2x_floor": r.within(floor.kernel)} if floor else {}) for r in reports
+        ],
+    }
+
+
+# ----------------------------------------------------------------------------------------------------
+# The table ``kvstreams verify`` prints
+
+SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def table_columns(dtype: str, floor: bool, strategies: bool) -> list[str]:
+    """The column titles: counts, then shadow and dense agreement, then with a floor the roundings."""
+    events = "compactions" if strategies else "evictions"
+    columns = ["name", "seqs", "tokens", events, "KV saving", "shadow max|Δ|", "mean|Δ|", "KL k3"]
+    columns += ["dense max|Δ|", "mean|Δ|", "KL k3"]
+    short = SHORT_DTYPE.get(dtype, dtype)
+    columns += [f"learner {short}", f"sampler {short}", "/ floor", "fp64 gap"] if floor else []
+    return columns
+
+
+def table_row(r: Report, floor: Floor | None) -> list[str]:
+    """One report's cells under :func:`table_columns` (the pass verdict is the caller's to show)."""
+    row = [
+        r.name,
+        str(r.sequences),
+        str(r.tokens),
+        f"{r.eviction_events} (min {r.min_events_per_sequence})",
+        f"{r.kv_saving:.1%}",
+        f"{r.shadow.max_abs_diff:.1e}",
+        f"{r.shadow.mean_abs_diff:.1e}",
+        f"{r.shadow.kl_k3:.1e}",
+        f"{r.dense.max_abs_diff:.2f}",
+        f"{r.dense.mean_abs_diff:.3f}",
+        f"{r.dense.kl_k3:.3f}",
+    ]
+    if floor:
+        row += [
+            f"{r.rounding:.1e}",
+            f"{r.sampler_rounding:.1e}",
+            f"{r.shadow.max_abs_diff / max(floor.kernel, r.rounding or 0):.2f}x",
+            f"{r.exact_gap:.1e}" if r.exact_gap is not None else "-",
+        ]
+    return row

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvstreams.models import make_tiny_model
+from kvstreams.tiny import make_tiny_model
 
 BENCH_MODELS: dict[str, dict[str, int]] = {
     "tiny": {},

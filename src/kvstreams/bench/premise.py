@@ -50,20 +50,17 @@ def _play(model, tok, chat, policy, settings: PremiseBenchSettings):
     """Greedy replies to the recall prompts with ``policy``: (traces, rewards)."""
     from kvstreams.engine import RolloutEngine, SamplingParams
     from kvstreams.envs import make_env
+    from kvstreams.single_turn import env_prompts, reply_reward
 
     engine = RolloutEngine(model, tok, policy)
     traces, rewards = [], []
     for start in range(0, settings.episodes, settings.batch):
         seeds = range(start, min(settings.episodes, start + settings.batch))
         envs = [make_env("recall", n_filler=settings.n_filler) for _ in seeds]
-        prompts = [
-            chat.head(env.reset(s)) + chat.assistant_header() for env, s in zip(envs, seeds, strict=True)
-        ]
+        prompts = env_prompts(chat, envs, seeds)
         params = SamplingParams(max_new_tokens=settings.max_new_tokens, temperature=0.0, seed=settings.seed)
         batch = engine.generate(prompts, params)
-        for env, trace in zip(envs, batch, strict=True):
-            reply = chat.decode(trace.tokens[trace.sampled_mask].tolist())
-            rewards.append(env.step(reply).reward)
+        rewards += [reply_reward(env, chat, trace) for env, trace in zip(envs, batch, strict=True)]
         traces += batch
     return traces, rewards
 

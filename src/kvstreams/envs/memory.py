@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from kvstreams.envs.base import Environment, Message, StepResult, parse_action, register
-from kvstreams.models import WORDS
+from kvstreams.words import WORDS
 
 FACT_KINDS = ("color", "room", "name", "code", "number")  # easiest first: n_facts=1 asks for a color
 COLORS = ("red", "blue", "green", "yellow", "black", "white")

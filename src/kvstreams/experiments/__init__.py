@@ -36,8 +36,9 @@ def run(spec: ExperimentSpec, out: Path, quick: bool, seeds: int | None, command
 def _run_probe(spec: ExperimentSpec, out: Path, quick: bool, seeds: int | None, command: str) -> dict:
     """Tiny random models (one per seed), and SmolLM2-135M when converted (a sampling seed each)."""
     from kvstreams.experiments.is_variance import plot_probe, probe_model, summarise_probe
-    from kvstreams.models import load_model, make_tiny_model
+    from kvstreams.models import load_model
     from kvstreams.pretrained import default_dir
+    from kvstreams.tiny import make_tiny_model
 
     n_seeds = seeds or (spec.quick.seeds if quick else spec.seeds)
     ws = spec.warm_start

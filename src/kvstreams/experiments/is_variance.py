@@ -27,6 +27,7 @@ from kvstreams.experiments.spec import ExperimentSpec
 from kvstreams.experiments.stats import mean_interval
 from kvstreams.policies import make_policy
 from kvstreams.replay import replay_logprobs
+from kvstreams.single_turn import env_prompts
 from kvstreams.trace import Trace
 
 
@@ -62,10 +63,8 @@ def probe_model(model, tokenizer, spec: ExperimentSpec, seed: int, quick: bool) 
     chat = ChatFormat(tokenizer)
     n = 4 if quick else spec.probe.episodes
     lengths = spec.probe.lengths[:2] if quick else spec.probe.lengths
-    prompts = []
-    for i in range(n):
-        env = make_env(base.get("env", "recall"), **base.get("env_args", {}))
-        prompts.append(chat.head(env.reset(10_000 * seed + i)) + chat.assistant_header())
+    envs = [make_env(base.get("env", "recall"), **base.get("env_args", {})) for _ in range(n)]
+    prompts = env_prompts(chat, envs, [10_000 * seed + i for i in range(n)])
     params = SamplingParams(max_new_tokens=max(lengths), temperature=1.0, stop_token_ids=(), seed=seed)
     traces = RolloutEngine(model, tokenizer, policy).generate(prompts, params)
     out: dict[str, Any] = {}

@@ -56,7 +56,7 @@ def warm_start(spec: ExperimentSpec, seed: int, models: Path, quick: bool, log) 
 
 
 def _make_warm_start(spec: ExperimentSpec, ws, seed: int, out: Path, quick: bool, log) -> str:
-    from kvstreams.models import make_tiny_model
+    from kvstreams.tiny import make_tiny_model
     from kvstreams.train.sft import sft
 
     log(f"warm start, seed {seed}: tiny {ws.arch} model + SFT on the expert")

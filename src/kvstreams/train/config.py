@@ -232,8 +232,15 @@ def parse_value(raw: str) -> Any:
         return raw
 
 
-def _set(data: dict[str, Any], dotted: str, raw: str) -> None:
-    value = parse_value(raw)
+def parse_override(item: str) -> tuple[str, Any]:
+    """One ``--set key=value``: the dotted key and its value (:func:`parse_value`)."""
+    if "=" not in item:
+        raise KVStreamsError(f"--set takes key=value, got {item!r}")
+    key, raw = item.split("=", 1)
+    return key.strip(), parse_value(raw.strip())
+
+
+def _set(data: dict[str, Any], dotted: str, value: Any) -> None:
     try:
         set_dotted(data, dotted, value)
     except KVStreamsError as err:
@@ -254,10 +261,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         except UnicodeDecodeError:
             raise KVStreamsError(f"{p}: not UTF-8 text (TOML files are UTF-8)") from None
     for item in overrides or []:
-        if "=" not in item:
-            raise KVStreamsError(f"--set takes key=value, got {item!r}")
-        key, raw = item.split("=", 1)
-        _set(data, key.strip(), raw.strip())
+        _set(data, *parse_override(item))
     return validate_config(data)
 
 

@@ -19,6 +19,7 @@ from kvstreams.engine import RolloutEngine, SamplingParams
 from kvstreams.envs import is_single_turn, make_env
 from kvstreams.episodes import EpisodeRunner
 from kvstreams.policies import make_policy
+from kvstreams.single_turn import env_prompts, reply_reward
 from kvstreams.trace import Trace
 from kvstreams.train.config import Config
 
@@ -147,19 +148,15 @@ class RolloutSource:
     def _single_turn(self, envs, env_seeds, sample_seeds, groups, greedy, on_step, progress) -> RolloutBatch:
         r = self.cfg.rollout
         policy = make_policy(r.policy or "full", **r.policy_args)
-        prompts = [
-            self.chat.head(env.reset(s)) + self.chat.assistant_header()
-            for env, s in zip(envs, env_seeds, strict=True)
-        ]
+        prompts = env_prompts(self.chat, envs, env_seeds)
         engine = RolloutEngine(self.model, self.tokenizer, policy, weights_version=self.version)
         traces = engine.generate(
             prompts, self._sampling(sample_seeds[0], greedy), progress=progress, on_step=on_step
         )
         rewards, errors = [], []
         for env, trace, seed in zip(envs, traces, env_seeds, strict=True):
-            reply = trace.tokens[trace.sampled_mask].tolist()
             try:
-                rewards.append(float(env.step(self.chat.decode(reply)).reward))
+                rewards.append(reply_reward(env, self.chat, trace))
                 errors.append(None)
             except Exception as err:  # one environment failing must not take the batch down
                 rewards.append(0.0)
