@@ -432,10 +432,7 @@ class EpisodeRunner:
             "live_before": live_before,
         }
         if self.mode == "stream":
-            if deleted and max(end for _, end in deleted) > session.records[row].fed:
-                session.forward([row])  # the span's last tokens are not in the cache yet: write them first
-            for start, end in deleted:
-                session.evict(row, start, end)
+            session.delete(row, [(start, end) for start, end in deleted])
             event["retained"] = ep.live_tokens
         else:  # reprefill: this trace ends; a new one starts from what is kept
             kept = [u for u in ep.units if u.live and u.length > 0]

@@ -183,6 +183,16 @@ class StreamSession:
             raise ValueError(f"cannot evict [{start}, {end}): only {rec.fed} tokens are in the cache")
         return self.cache.evict_range(row, start, end, at=evicted_before(rec.fed))
 
+    def delete(self, row: int, spans: list[tuple[int, int]]) -> None:
+        """Delete trace spans of ``row`` in place, the KV-streams way (one continuous cache). Tokens of a
+        span not yet in the cache (the tail of a reply just written) are fed first: they were part of
+        the context the model saw, so their queries are computed and their entries recorded before
+        they die together with the rest of the span, at the next query."""
+        if spans and max(end for _, end in spans) > self.records[row].fed:
+            self.forward([row])
+        for start, end in spans:
+            self.evict(row, start, end)
+
     def restart(self, row: int, tokens: list[int], meta: dict[str, str]) -> Trace:
         """End the row's trace (returned) and start a new one holding ``tokens`` as context."""
         trace = self.trace(row, meta)
