@@ -132,6 +132,13 @@ class Trace:
 
     # --- checks ------------------------------------------------------------------------------------
     def validate(self) -> None:
+        """Every field present with its dtype and shape, a record the rule can replay, sampler
+        log-probs where (and only where) tokens were sampled, the metadata a learner needs."""
+        self._check_tensors()
+        self._check_record()
+        self._check_metadata()
+
+    def _check_tensors(self) -> None:
         tensors = {name: getattr(self, name) for name in _DTYPES}
         for name, tensor in tensors.items():
             if tensor is None:
@@ -155,6 +162,9 @@ class Trace:
                 raise TraceFormatError(
                     f"trace tensor {name!r} has shape {tuple(tensor.shape)}, expected ({T},)"
                 )
+
+    def _check_record(self) -> None:
+        T = len(self)
         if self.death.dim() != 3 or self.death.shape[-1] != T:
             raise TraceFormatError(
                 f"trace death has shape {tuple(self.death.shape)}, expected (L or 1, H_kv or 1, {T})"
@@ -180,6 +190,8 @@ class Trace:
             )
         if not bool(torch.isnan(lp[~self.sampled_mask]).all()):
             raise TraceFormatError("trace sampler_logprobs must be NaN where sampled_mask is False")
+
+    def _check_metadata(self) -> None:
         missing = [k for k in REQUIRED_METADATA if k not in self.metadata]
         if missing:
             raise TraceFormatError(f"trace metadata is missing {', '.join(missing)}")
