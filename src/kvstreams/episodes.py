@@ -397,29 +397,14 @@ class EpisodeRunner:
     def _compact(
         self, ep: Episode, reason: Reason, n_delete: int = 0, bridge_from: int | None = None
     ) -> None:
-        """Delete the oldest live units after the head: ``n_delete`` of them, or, with a bridge, everything
-        before ``bridge_from`` (splitting the reply unit that holds the bridge)."""
+        """Delete the oldest live units after the head (:meth:`_doomed`), record the event, and apply it:
+        evict in place (stream) or end the trace and start a new one from what is kept (re-prefill)."""
         assert self.session is not None and self.strategy is not None
         session, row = self.session, ep.index
         live_before = ep.live_tokens  # the context at its peak: B in the closed form N * r / (B - r)
         if not ep.compactions:
             ep.first_fill = session.records[row].fed
-        live = [u for u in ep.units if u.live and u.kind != UnitKind.HEAD]
-        bridge: Unit | None = None
-        if bridge_from is not None:
-            last = ep.units[-1]
-            bridge = Unit(UnitKind.BRIDGE, bridge_from, last.end)
-            last.end = bridge_from
-            ep.units.append(bridge)
-            # the instruction and the reply's part before the bridge always go; of the older units, the
-            # strategy decides (all of them, or the oldest turns after a turn trigger)
-            older = [u for u in live if u is not last and u.kind != UnitKind.INSTRUCTION]
-            head = sum(u.length for u in ep.units if u.live and u.kind == UnitKind.HEAD)
-            n = self.strategy.deletion(head, [UnitView(u.kind, u.length) for u in older], 0, reason)
-            kept = {id(u) for u in older[n:]}
-            doomed = [u for u in live if u.length > 0 and id(u) not in kept]
-        else:
-            doomed = live[:n_delete]
+        doomed, bridge = self._doomed(ep, reason, n_delete, bridge_from)
         deleted = [[u.start, u.end] for u in doomed]
         for u in doomed:
             u.live = False
@@ -434,18 +419,46 @@ class EpisodeRunner:
         if self.mode == "stream":
             session.delete(row, [(start, end) for start, end in deleted])
             event["retained"] = ep.live_tokens
-        else:  # reprefill: this trace ends; a new one starts from what is kept
-            kept = [u for u in ep.units if u.live and u.length > 0]
-            tokens = session.records[row].tokens
-            retained = [t for u in kept for t in tokens[u.start : u.end]]
-            event["retained"] = len(retained)
-            ep.segments.append(session.restart(row, retained, self._meta(ep, events=[event])))
-            offset = 0
-            for u in kept:
-                u.start, u.end, offset = offset, offset + u.length, offset + u.length
-            ep.units = kept
+        else:
+            self._restart_from_kept(ep, event)
         ep.compactions.append(event)
         ep.turns_since_compaction = 0
+
+    def _doomed(
+        self, ep: Episode, reason: Reason, n_delete: int, bridge_from: int | None
+    ) -> tuple[list[Unit], Unit | None]:
+        """The units a compaction deletes: the oldest ``n_delete`` live ones after the head, or, with a
+        bridge, everything before ``bridge_from`` that the strategy lets go (the reply unit holding the
+        bridge is split: the bridge becomes a unit of its own). Returns them and the bridge unit."""
+        assert self.strategy is not None
+        live = [u for u in ep.units if u.live and u.kind != UnitKind.HEAD]
+        if bridge_from is None:
+            return live[:n_delete], None
+        last = ep.units[-1]
+        bridge = Unit(UnitKind.BRIDGE, bridge_from, last.end)
+        last.end = bridge_from
+        ep.units.append(bridge)
+        # the instruction and the reply's part before the bridge always go; of the older units, the
+        # strategy decides (all of them, or the oldest turns after a turn trigger)
+        older = [u for u in live if u is not last and u.kind != UnitKind.INSTRUCTION]
+        head = sum(u.length for u in ep.units if u.live and u.kind == UnitKind.HEAD)
+        n = self.strategy.deletion(head, [UnitView(u.kind, u.length) for u in older], 0, reason)
+        kept = {id(u) for u in older[n:]}
+        return [u for u in live if u.length > 0 and id(u) not in kept], bridge
+
+    def _restart_from_kept(self, ep: Episode, event: dict[str, Any]) -> None:
+        """Re-prefill: this trace ends (a segment, carrying the event); a new one starts from the kept
+        units' tokens, with positions from 0, which the next forward prefills again."""
+        assert self.session is not None
+        kept = [u for u in ep.units if u.live and u.length > 0]
+        tokens = self.session.records[ep.index].tokens
+        retained = [t for u in kept for t in tokens[u.start : u.end]]
+        event["retained"] = len(retained)
+        ep.segments.append(self.session.restart(ep.index, retained, self._meta(ep, events=[event])))
+        offset = 0
+        for u in kept:
+            u.start, u.end, offset = offset, offset + u.length, offset + u.length
+        ep.units = kept
 
     # --- endings --------------------------------------------------------------------------------
     def _finish(self, ep: Episode, reason: str, failed: bool = False) -> None:
