@@ -147,11 +147,26 @@ def verify_strategy(
     **runner_options,
 ) -> tuple[Report, list[Trace]]:
     """Run episodes in stream mode (one trace each) and replay them."""
+    traces, events = stream_episodes(
+        model, tokenizer, strategy, envs, seeds, params, progress, **runner_options
+    )
+    return report_for(model, strategy.name, "strategy", traces, events, backend), traces
+
+
+def stream_episodes(
+    model,
+    tokenizer,
+    strategy: CompactionStrategy,
+    envs: list[Environment],
+    seeds: list[int],
+    params: SamplingParams,
+    progress: Callable[[int], None] | None = None,
+    **runner_options,
+) -> tuple[list[Trace], list[int]]:
+    """Episodes in stream mode: their traces (one each) and compactions per episode."""
     runner = EpisodeRunner(model, tokenizer, strategy, mode="stream", sampling=params, **runner_options)
     results, _ = runner.run(envs, seeds, progress=progress)
-    traces = [t for r in results for t in r.traces]
-    events = [len(r.compactions) for r in results]
-    return report_for(model, strategy.name, "strategy", traces, events, backend), traces
+    return [t for r in results for t in r.traces], [len(r.compactions) for r in results]
 
 
 @dataclass
@@ -262,10 +277,8 @@ def check_strategy(
         model, tokenizer, strategy, make_envs(), seeds, params, backend, progress, **runner_options
     )
 
-    def resample(m: torch.nn.Module) -> list[Trace]:
-        return verify_strategy(m, tokenizer, strategy, make_envs(), seeds, params, backend, **runner_options)[
-            1
-        ]
+    def resample(m: torch.nn.Module) -> list[Trace]:  # sampling only: the float64 copy is not replayed here
+        return stream_episodes(m, tokenizer, strategy, make_envs(), seeds, params, **runner_options)[0]
 
     return Check(report, traces, resample)
 
