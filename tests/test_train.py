@@ -3,6 +3,7 @@ checkpoints and resume, configs, SFT."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 
@@ -358,6 +359,7 @@ class PublishMidEpisode:
 
 def test_async_token_sampled_after_a_mid_episode_update_carries_the_new_version(qwen, model_dirs, tmp_path):
     from kvstreams.train.loop import AsyncRollouts
+    from kvstreams.train.rollouts import RolloutSource
 
     model, tok = qwen
     cfg = small_config(model_dirs["qwen3"], tmp_path, **{"train.asynchronous": "true", "train.steps": 1})
@@ -365,7 +367,8 @@ def test_async_token_sampled_after_a_mid_episode_update_carries_the_new_version(
         k: v + 0.01 * torch.randn_like(v) if v.is_floating_point() else v
         for k, v in model.state_dict().items()
     }
-    producer = AsyncRollouts(model, tok, cfg, 0, PublishMidEpisode(new_state, after=8))
+    copy_ = RolloutSource(copy.deepcopy(model), tok, cfg)
+    producer = AsyncRollouts(copy_, cfg, 0, PublishMidEpisode(new_state, after=8))
     try:
         batch, _ = producer.get()
     finally:
@@ -376,7 +379,7 @@ def test_async_token_sampled_after_a_mid_episode_update_carries_the_new_version(
         assert bool((v[1:] >= v[:-1]).all())  # ... and every token after it carries version 1
         assert int((v == 0).sum()) == 8  # the 8 decode steps before the update
     key = "model.layers.0.self_attn.q_proj.weight"  # (embeddings may be tied: loaded twice)
-    assert torch.equal(producer.model.state_dict()[key], new_state[key])
+    assert torch.equal(copy_.model.state_dict()[key], new_state[key])
 
 
 def test_stale_groups_are_dropped_whole():

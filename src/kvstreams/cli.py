@@ -310,7 +310,7 @@ def _add_measuring_commands(sub) -> None:
     p = sub.add_parser(
         "bench", help="benchmarks: stream vs re-prefill rollouts, learner replay memory, decode throughput"
     )
-    p.add_argument("which", choices=["rollout", "learner", "decode", "premise", "all"])
+    p.add_argument("which", choices=["rollout", "learner", "decode", "premise", "cluster", "all"])
     p.add_argument("--quick", action="store_true", help="small settings that only check the commands work")
     p.add_argument("--out", default="runs/bench", help="directory for <bench>.json and the PNG plots")
     p.add_argument("--models", default=None, help="where the bench models live (default: OUT/models)")
@@ -327,6 +327,11 @@ def _add_measuring_commands(sub) -> None:
         "instead of the preset's points",
     )
     p.add_argument("--json", default=None, help="also write the report(s) to this JSON file")
+    p.add_argument(
+        "--device",
+        default=None,
+        help="cluster: run the workers and ranks on this device (cuda: one GPU each) instead of the CPU",
+    )
     p.add_argument(
         "--kvpress-python",
         default=None,
@@ -859,6 +864,8 @@ def cmd_bench(args) -> int:
     names = list(ALL) if args.which == "all" else [args.which]
     if args.curve and args.which != "rollout":
         raise KVStreamsError("--curve is for bench rollout")
+    if args.device and args.which != "cluster":
+        raise KVStreamsError("--device is for bench cluster")
     reports = {}
     for name in names:
         settings_type, run = BENCHES[name]
@@ -868,6 +875,8 @@ def cmd_bench(args) -> int:
             name = "rollout-curve"
         if args.model:
             settings = settings.on_model(args.model)  # type: ignore[attr-defined]
+        if args.device:
+            settings = settings.on_device(args.device)  # type: ignore[attr-defined]
         if name == "decode":
             settings.kvpress_python = args.kvpress_python
         report = run(settings, models, out)

@@ -88,3 +88,35 @@ def rollout_cost(
             cost.tokens_reprefilled_predicted = reprefill_closed_form(new_tokens, r, b)
             cost.tokens_reprefilled_predicted_steady = reprefill_closed_form(new_tokens - first_fill, r, b)
     return cost
+
+
+def merge_costs(parts: Sequence[RolloutCost]) -> RolloutCost:
+    """The cost of a batch run in shards (one per rollout worker): counts and times add up (a worker's
+    seconds are its own; ``seconds`` is the slowest shard's, the batch's wall-clock), peak KV bytes add
+    up (each worker holds its own cache), peak entries are the largest; the means are weighted by each
+    shard's compactions and the closed form is recomputed over the whole batch, so the figures are those
+    one process would report for the same episodes."""
+    total = RolloutCost()
+    for name in ("episodes", "tokens_forwarded", "tokens_reprefilled", "tokens_filler", "tokens_trace",
+                 "kv_peak_bytes", "compactions", "tokens_first_fill", "decode_tokens",
+                 "observations_truncated"):  # fmt: skip
+        setattr(total, name, sum(getattr(p, name) for p in parts))
+    total.kv_peak_entries = max((p.kv_peak_entries for p in parts), default=0)
+    total.decode_seconds = round(sum(p.decode_seconds for p in parts), 3)
+    total.chunk_seconds = round(sum(p.chunk_seconds for p in parts), 3)
+    total.seconds = max((p.seconds for p in parts), default=0.0)
+    if total.episodes:
+        total.reward_mean = sum(p.reward_mean * p.episodes for p in parts) / total.episodes
+    if total.compactions:
+        total.retained_mean = sum(p.retained_mean * p.compactions for p in parts) / total.compactions
+        total.context_at_compaction_mean = (
+            sum(p.context_at_compaction_mean * p.compactions for p in parts) / total.compactions
+        )
+        r, b = total.retained_mean, total.context_at_compaction_mean
+        if r < b:
+            new_tokens = total.tokens_forwarded - total.tokens_reprefilled
+            total.tokens_reprefilled_predicted = reprefill_closed_form(new_tokens, r, b)
+            total.tokens_reprefilled_predicted_steady = reprefill_closed_form(
+                new_tokens - total.tokens_first_fill, r, b
+            )
+    return total

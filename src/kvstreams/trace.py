@@ -13,6 +13,7 @@ Saved as ONE ``.safetensors`` file; the tensor names and metadata keys below are
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -220,42 +221,60 @@ class Trace:
 
     def save(self, path: str | Path) -> Path:
         """Validate, then write atomically (temp file + rename): a reader never sees half a trace."""
-        from safetensors.torch import save_file
+        data = self.to_bytes()
+        return atomic_write(path, lambda tmp: Path(tmp).write_bytes(data))
+
+    def to_bytes(self) -> bytes:
+        """The same safetensors bytes :meth:`save` writes (how traces cross processes: tensors and
+        string metadata, never pickled objects)."""
+        from safetensors.torch import save
 
         self.validate()
-        tensors, metadata = self.tensors(), {k: str(v) for k, v in self.metadata.items()}
-        return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+        return save(self.tensors(), metadata={k: str(v) for k, v in self.metadata.items()})
 
     @classmethod
     def load(cls, path: str | Path) -> Trace:
         """Read and validate a trace file; any inconsistency is a :class:`TraceFormatError`."""
-        from safetensors import safe_open
-
         path = Path(path)
         if not path.is_file():
             raise TraceFormatError(f"trace file {str(path)!r} does not exist")
+        return cls.from_bytes(path.read_bytes(), where=str(path))
+
+    @classmethod
+    def from_bytes(cls, data: bytes, where: str = "trace bytes") -> Trace:
+        """A trace from :meth:`to_bytes` (or a file's contents), validated like :meth:`load`."""
+        from safetensors.torch import load
+
         try:
-            with safe_open(str(path), framework="pt") as f:
-                metadata = dict(f.metadata() or {})
-                tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118  (safe_open has no __iter__)
+            metadata = dict(_metadata_of(data))
+            tensors = load(data)
         except Exception as err:  # safetensors raises its own error types for corrupt headers
             raise TraceFormatError(
-                f"{path}: not a readable safetensors file ({type(err).__name__}: {err})"
+                f"{where}: not a readable safetensors file ({type(err).__name__}: {err})"
             ) from None
         if _FORMER_NAMES.keys() & tensors.keys():  # files written before the rename
             tensors = {_FORMER_NAMES.get(k, k): v for k, v in tensors.items()}
         unknown = sorted(set(tensors) - set(_DTYPES))
         if unknown:
-            raise TraceFormatError(f"{path}: unexpected tensor(s) {', '.join(unknown)}")
+            raise TraceFormatError(f"{where}: unexpected tensor(s) {', '.join(unknown)}")
         for name in _DTYPES:
             if name not in tensors and name not in _OPTIONAL:
-                raise TraceFormatError(f"{path}: trace is missing tensor {name!r}")
+                raise TraceFormatError(f"{where}: trace is missing tensor {name!r}")
         trace = cls(metadata=metadata, **{k: tensors.get(k) for k in _DTYPES})
         try:
             trace.validate()
         except TraceFormatError as err:
-            raise TraceFormatError(f"{path}: {err}") from None
+            raise TraceFormatError(f"{where}: {err}") from None
         return trace
+
+
+def _metadata_of(data: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of safetensors bytes: an 8-byte little-endian header length, then JSON."""
+    size = int.from_bytes(data[:8], "little")
+    if len(data) < 8 or size > len(data) - 8:
+        raise ValueError("header length exceeds the data")
+    header = json.loads(data[8 : 8 + size])
+    return dict(header.get("__metadata__") or {})
 
 
 def compact_death(death: torch.Tensor) -> torch.Tensor:

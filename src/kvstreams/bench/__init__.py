@@ -1,10 +1,12 @@
-"""Benchmarks of the two papers' efficiency claims (`kvstreams bench rollout|learner|decode`).
+"""Benchmarks of the two papers' efficiency claims (`kvstreams bench rollout|learner|decode`), the
+real-model premise (`premise`) and scale-out (`cluster`).
 
 Each bench runs the compared settings side by side in one process (ratios, not absolute times, are
 what carries over between machines), prints tables, writes JSON and PNG plots, and records the
 machine. ``docs/benchmarks.md`` holds the latest figures and how to read them.
 """
 
+from kvstreams.bench.cluster import ClusterBenchSettings, bench_cluster
 from kvstreams.bench.decode import DecodeBenchSettings, bench_decode
 from kvstreams.bench.learner import LearnerBenchSettings, bench_learner
 from kvstreams.bench.premise import PremiseBenchSettings, bench_premise
@@ -16,16 +18,19 @@ BENCHES = {
     "learner": (LearnerBenchSettings, bench_learner),
     "decode": (DecodeBenchSettings, bench_decode),
     "premise": (PremiseBenchSettings, bench_premise),
+    "cluster": (ClusterBenchSettings, bench_cluster),
 }
 ALL = ("rollout", "learner", "decode")  # `bench all`; premise needs the real model (make bench-real)
 
 __all__ = [
     "BENCHES",
     "BenchReport",
+    "ClusterBenchSettings",
     "DecodeBenchSettings",
     "LearnerBenchSettings",
     "PremiseBenchSettings",
     "RolloutBenchSettings",
+    "bench_cluster",
     "bench_decode",
     "bench_learner",
     "bench_premise",

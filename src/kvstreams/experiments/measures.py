@@ -13,7 +13,7 @@ import torch
 from kvstreams.envs import make_env
 from kvstreams.errors import KVStreamsError
 from kvstreams.trace import Trace
-from kvstreams.train.rollouts import RolloutSource
+from kvstreams.train.rollouts import RolloutSource, evaluation_plan
 from kvstreams.visibility import visible
 
 Measure = Callable[[RolloutSource, int], dict[str, float]]
@@ -54,9 +54,10 @@ def fact_survival(source: RolloutSource, n: int) -> dict[str, float]:
     r = source.cfg.rollout
     if r.env != "memory":
         raise KVStreamsError("measure 'fact_survival' is defined on the memory environment")
-    batch = source.evaluation_batch(n, greedy=False)
+    plan = evaluation_plan(source.cfg, n, greedy=False)
+    batch = source.run(plan)
     survived = total = 0
-    for seed, sample in zip(source.evaluation_seeds(n), batch.samples, strict=True):
+    for seed, sample in zip(plan.env_seeds, batch.samples, strict=True):
         env = make_env(r.env, **r.env_args)
         env.reset(seed)
         text = source.chat.decode(visible_before_last_reply(sample.trace).tolist())

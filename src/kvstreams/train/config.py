@@ -144,6 +144,43 @@ class SFTSection(_Section):
     seed: int = 0
 
 
+class ClusterSection(_Section):
+    """``[cluster]``: where rollouts and the learner run (docs/scale-out.md). The defaults are the
+    embedded single-process path; anything else needs Ray (``pip install 'kvstreams[cluster]'``)."""
+
+    rollout_workers: int = Field(
+        0,
+        ge=0,
+        description="Ray actors, each an engine replica with its own environments; a batch's episodes "
+        "are split between them by GRPO group. 0: rollouts run in the trainer's process",
+    )
+    learner_world_size: int = Field(
+        1,
+        ge=1,
+        description="FSDP2 ranks of the learner (Ray actors in one torch.distributed group: gloo on "
+        "CPU, NCCL on CUDA); 1: the learner runs in the trainer's process",
+    )
+    address: str = Field(
+        "",
+        description="an existing Ray cluster to join ('auto', or host:port of `ray start --head`); "
+        "empty: start Ray on this machine",
+    )
+    worker_cpus: float = Field(1.0, gt=0, description="CPUs Ray reserves for each rollout worker")
+    worker_gpus: float = Field(0.0, ge=0, description="GPUs for each rollout worker (fractions share one)")
+    learner_cpus: float = Field(1.0, gt=0, description="CPUs Ray reserves for each learner rank")
+    learner_gpus: float = Field(0.0, ge=0, description="GPUs for each learner rank (1 on a GPU cluster)")
+    max_worker_restarts: int = Field(
+        3,
+        ge=0,
+        description="a rollout worker that dies is started again and its episodes rerun, at most this "
+        "many times in a run; after that its episodes are dropped and counted",
+    )
+
+    @property
+    def distributed(self) -> bool:
+        return self.rollout_workers > 0 or self.learner_world_size > 1
+
+
 class Config(_Section):
     model: ModelSection = Field(default_factory=ModelSection)
     rollout: RolloutSection = Field(default_factory=RolloutSection)
@@ -151,6 +188,7 @@ class Config(_Section):
     optim: OptimSection = Field(default_factory=OptimSection)
     train: TrainSection = Field(default_factory=TrainSection)
     sft: SFTSection = Field(default_factory=SFTSection)
+    cluster: ClusterSection = Field(default_factory=ClusterSection)
 
     @field_validator("loss", mode="before")
     @classmethod
@@ -193,7 +231,27 @@ class Config(_Section):
         _check_builds(r)
         if self.train.asynchronous and r.mode == "reprefill":
             raise ValueError("asynchronous training is implemented for stream and full modes")
+        _check_cluster(self)
         return self
+
+
+def _check_cluster(cfg: Config) -> None:
+    """A distributed run needs Ray, and GPUs on the ranks when the model is on CUDA: said before any
+    process starts."""
+    c = cfg.cluster
+    if not c.distributed:
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        raise ValueError(
+            "rollout_workers > 0 or learner_world_size > 1 needs Ray: pip install 'kvstreams[cluster]'"
+        )
+    on_gpu = cfg.model.device.startswith("cuda")
+    if on_gpu and c.learner_world_size > 1 and c.learner_gpus < 1:
+        raise ValueError("model.device is CUDA: set cluster.learner_gpus = 1 (one GPU per FSDP2 rank)")
+    if on_gpu and c.rollout_workers and c.worker_gpus == 0:
+        raise ValueError("model.device is CUDA: give rollout workers a GPU share (cluster.worker_gpus)")
 
 
 def _check_builds(r: RolloutSection) -> None:

@@ -102,10 +102,33 @@ class Normaliser:
         return losses.aggregate(per_token, seq, keep, self.mode, self.tokens, self.seqs)
 
 
+class SingleProcess:
+    """The learner's view of data parallelism when it runs alone: every micro-batch is its own and
+    nothing needs combining. :class:`kvstreams.cluster.fsdp.FSDPGroup` is the same interface over
+    FSDP2 ranks."""
+
+    def assign(self, n: int) -> list[tuple[int, bool]]:
+        """The micro-batches (index, real) this process runs; a False one is a stand-in that keeps the
+        ranks' collectives in step and trains nothing."""
+        return [(i, True) for i in range(n)]
+
+    def gather(self, parts: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Every rank's per-micro-batch tensors, by micro-batch index."""
+        return parts
+
+    def reduce(self, sums: dict[str, float]) -> dict[str, float]:
+        """The metric sums of every rank added up (maxima for ``*_max_abs_dev``), as a new dict."""
+        return dict(sums)
+
+    def all(self, flag: bool) -> bool:
+        return flag
+
+
 class Learner:
-    def __init__(self, model, cfg: Config, reference=None) -> None:
+    def __init__(self, model, cfg: Config, reference=None, group: SingleProcess | None = None) -> None:
         self.model = model
         self.cfg = cfg
+        self.group = group or SingleProcess()
         self.loss = cfg.loss
         self.reference = reference
         self.shape = model_shape(model)
@@ -124,9 +147,13 @@ class Learner:
             return 0.5 * (1.0 + math.cos(progress * math.pi))
         return 1.0
 
+    def gather(self, optimizer: bool = False) -> None:
+        """Nothing to gather: this process holds the weights and optimizer state itself
+        (:class:`kvstreams.cluster.fsdp.LearnerGroup` gathers its ranks')."""
+
     def weights_finite(self) -> bool:
         """Whether every parameter is finite (a finite gradient times a huge lr can still break them)."""
-        return all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
+        return self.group.all(all(bool(torch.isfinite(_local(p)).all()) for p in self.model.parameters()))
 
     # --- forwards ------------------------------------------------------------------------------------
     def _rows(self, model, mb: MicroBatch, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,19 +191,27 @@ class Learner:
         return mb.per_token([i.trace.temperature for i in mb.items])
 
     @torch.no_grad()
-    def _before_update(self, mbs: list[MicroBatch]) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+    def _before_update(
+        self, mbs: list[MicroBatch], mine: list[tuple[int, bool]]
+    ) -> tuple[torch.Tensor | None, dict[int, torch.Tensor | None]]:
         """No-grad passes before any update: the learner's log-probs in the correction's view (when the
-        correction needs them as pi_old) and the reference's (for the KL term), per micro-batch."""
+        correction needs them as pi_old: every rank's, gathered in batch order) and the reference's
+        (for the KL term), per micro-batch this process runs."""
         mode = REPLAY_MODE[self.loss.view]
-        start, ref = [], []
-        for mb in mbs:
+        start: dict[int, torch.Tensor] = {}
+        ref: dict[int, torch.Tensor | None] = {}
+        for i, real in mine:
             if self.loss.needs_start_logp:
-                start.append(self._logp(*self._rows(self.model, mb, mode), mb).cpu())
+                logp = self._logp(*self._rows(self.model, mbs[i], mode), mbs[i]).cpu()
+                if real:
+                    start[i] = logp
+            ref[i] = None
             if self.loss.kl_coef > 0 and self.reference is not None:
-                ref.append(self._logp(*self._rows(self.reference, mb, mode), mb).cpu())
-            else:
-                ref.append(None)
-        return (torch.cat(start) if start else None), ref
+                ref[i] = self._logp(*self._rows(self.reference, mbs[i], mode), mbs[i]).cpu()
+        if not self.loss.needs_start_logp:
+            return None, ref
+        start = self.group.gather(start)
+        return torch.cat([start[i] for i in range(len(mbs))]), ref
 
     # --- one step ---------------------------------------------------------------------------------
     def step(self, items: Sequence[TrainItem]) -> dict[str, float]:
@@ -185,7 +220,8 @@ class Learner:
         if not items:
             return {"tokens/trained": 0.0, "optim/skipped": 1.0, "optim/nonfinite_skipped": 0.0}
         mbs = micro_batches(items, self.cfg.optim.micro_batch_tokens)
-        start_logp, ref = self._before_update(mbs)
+        mine = self.group.assign(len(mbs))
+        start_logp, ref = self._before_update(mbs, mine)
         sampler_logp = torch.cat([mb.sampler_logp() for mb in mbs])
         seq = torch.cat([mb.seq() for mb in mbs])
         weighting = self.loss.weigh(Behaviour(sampler_logp, start_logp, seq, len(items)))
@@ -195,20 +231,55 @@ class Learner:
             mode=self.loss.aggregation,
         )
         parts = _split(weighting, [mb.n_tokens for mb in mbs])
-        sums: dict[str, float] = {}
-        first_logp = []
+        sums, grad_norm, skipped, first_logp = self._updates(mbs, mine, parts, ref, norm)
+        self.model.eval()
+        # the mismatch the correction faces: sampler vs the learner, in its view, before any update
+        if start_logp is None:
+            first_logp = self.group.gather(first_logp)
+        learner_logp = (
+            start_logp if start_logp is not None else torch.cat([first_logp[i] for i in range(len(mbs))])
+        )
+        metrics = mismatch_metrics(learner_logp, sampler_logp, seq)
+        metrics.update(weighting.metrics)
+        updates = self.cfg.optim.updates_per_batch
+        metrics.update({k: v / (updates if not k.startswith("ratio/") else 1) for k, v in sums.items()})
+        metrics["correction/kept_token_frac"] = norm.tokens / max(1, seq.numel())
+        metrics["correction/discarded_seq_frac"] = 1 - norm.seqs / len(items)
+        metrics["grad/norm"] = grad_norm
+        metrics["optim/nonfinite_skipped"] = float(skipped)
+        metrics["optim/lr"] = float(self.scheduler.get_last_lr()[0])
+        metrics["tokens/trained"] = float(norm.tokens)
+        return metrics
+
+    def _updates(
+        self, mbs, mine, parts, ref, norm
+    ) -> tuple[dict[str, float], float, int, dict[int, torch.Tensor]]:
+        """``optim.updates_per_batch`` optimizer steps over this process's micro-batches; returns every
+        rank's metric sums, the last gradient norm, the updates skipped and the first update's
+        log-probs (every rank's, by micro-batch)."""
+        sums: dict[str, float] = {}  # this process's share; `totals` holds every rank's
+        totals: dict[str, float] = {}
+        first_logp: dict[int, torch.Tensor] = {}
         self.model.train()
-        skipped = 0
+        skipped, grad_norm = 0, 0.0
         for update in range(self.cfg.optim.updates_per_batch):
-            losses_before = dict(sums)
-            for mb, part, mb_ref in zip(mbs, parts, ref, strict=True):
-                logp = self._accumulate(mb, part, mb_ref, norm, sums, first=update == 0)
-                if update == 0:
-                    first_logp.append(logp)
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
+            losses_before = totals
+            for i, real in mine:
+                # a stand-in keeps no token: it runs forward and backward only to match the ranks'
+                # collectives, and adds zero to every sum and gradient
+                part = parts[i] if real else _nothing_kept(parts[i])
+                logp = self._accumulate(mbs[i], part, ref[i], norm, sums, first=update == 0)
+                if update == 0 and real:
+                    first_logp[i] = logp
+            grad_norm = _value(
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
+            )
+            totals = self.group.reduce(sums)
             # a non-finite loss or gradient never reaches the weights: the update is skipped and counted
-            finite = math.isfinite(float(grad_norm)) and all(
-                math.isfinite(v - losses_before.get(k, 0.0)) for k, v in sums.items() if k.startswith("loss/")
+            finite = math.isfinite(grad_norm) and all(
+                math.isfinite(v - losses_before.get(k, 0.0))
+                for k, v in totals.items()
+                if k.startswith("loss/")
             )
             if finite:
                 self.optimizer.step()
@@ -216,20 +287,7 @@ class Learner:
             else:
                 skipped += 1
             self.optimizer.zero_grad(set_to_none=True)
-        self.model.eval()
-        # the mismatch the correction faces: sampler vs the learner, in its view, before any update
-        learner_logp = start_logp if start_logp is not None else torch.cat(first_logp)
-        metrics = mismatch_metrics(learner_logp, sampler_logp, seq)
-        metrics.update(weighting.metrics)
-        updates = self.cfg.optim.updates_per_batch
-        metrics.update({k: v / (updates if not k.startswith("ratio/") else 1) for k, v in sums.items()})
-        metrics["correction/kept_token_frac"] = norm.tokens / max(1, seq.numel())
-        metrics["correction/discarded_seq_frac"] = 1 - norm.seqs / len(items)
-        metrics["grad/norm"] = float(grad_norm)
-        metrics["optim/nonfinite_skipped"] = float(skipped)
-        metrics["optim/lr"] = float(self.scheduler.get_last_lr()[0])
-        metrics["tokens/trained"] = float(norm.tokens)
-        return metrics
+        return totals, grad_norm, skipped, first_logp
 
     def _accumulate(
         self,
@@ -282,6 +340,20 @@ class Learner:
 
 def _add(sums: dict[str, float], key: str, value: torch.Tensor) -> None:
     sums[key] = sums.get(key, 0.0) + float(value.detach())
+
+
+def _nothing_kept(w: Weighting) -> Weighting:
+    return Weighting(w.old_logp, torch.zeros_like(w.weight), torch.zeros_like(w.keep))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A parameter's own shard (an FSDP2 DTensor's local tensor), or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _value(t: torch.Tensor) -> float:
+    """A scalar that may be a DTensor (FSDP2's gradient norm is one, over every rank's shard)."""
+    return float(t.full_tensor() if hasattr(t, "full_tensor") else t)
 
 
 def _split(w: Weighting, sizes: list[int]) -> list[Weighting]:

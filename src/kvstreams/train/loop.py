@@ -28,6 +28,9 @@ from typing import Any
 import torch
 
 from kvstreams.atomic import claim, ensure_writable, holder, release, write_json
+from kvstreams.cluster.fsdp import LearnerGroup
+from kvstreams.cluster.launch import ray_session
+from kvstreams.cluster.workers import WorkerPool
 from kvstreams.errors import KVStreamsError
 from kvstreams.models import load_model
 from kvstreams.train.checkpoint import latest_checkpoint, remove_orphans, resume_latest, save_checkpoint
@@ -77,11 +80,14 @@ class _Weights:
     lock: threading.Lock = field(default_factory=threading.Lock)
     version: int = 0
     state: dict[str, torch.Tensor] | None = None
+    pool: WorkerPool | None = None  # rollout workers get each version as it is published
 
     def publish(self, model, version: int) -> None:
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         with self.lock:
             self.state, self.version = state, version
+        if self.pool is not None:
+            self.pool.publish(state, version)
 
     def take_newer(self, than: int) -> tuple[int, dict[str, torch.Tensor]] | None:
         with self.lock:
@@ -94,9 +100,10 @@ class AsyncRollouts:
     """Collects batches ahead of the learner in a thread: the rollouts of step s start once the weights
     of version s - ``max_async_level`` are published (the learner has finished that many steps)."""
 
-    def __init__(self, model, tokenizer, cfg: Config, start_step: int, weights: _Weights) -> None:
-        self.model = copy.deepcopy(model)
-        self.source = RolloutSource(self.model, tokenizer, cfg, version=start_step)
+    def __init__(
+        self, source: RolloutSource | WorkerPool, cfg: Config, start_step: int, weights: _Weights
+    ) -> None:
+        self.source = source  # a copy of the model, or the rollout workers
         self.weights = weights
         self.max_async_level = cfg.train.max_async_level
         self.queue: queue.Queue = queue.Queue()
@@ -107,6 +114,8 @@ class AsyncRollouts:
         self.thread.start()
 
     def _refresh(self, _step: int, target: WeightsTarget | None = None) -> None:
+        if isinstance(self.source, WorkerPool):
+            return  # the workers were handed each version as it was published
         newer = self.weights.take_newer(self.source.version)
         if newer is None:
             return
@@ -114,7 +123,7 @@ class AsyncRollouts:
         if target is not None:
             target.update_weights(state, version)  # mid-rollout: the KV cache is kept
         else:
-            self.model.load_state_dict(state)
+            self.source.model.load_state_dict(state)
         self.source.version = version
 
     def _run(self, start: int, steps: int) -> None:
@@ -160,7 +169,8 @@ def train(
     if not claim(out, TRAIN_LOCK):
         raise KVStreamsError(f"{out} is in use by another kvstreams train (pid {holder(out, TRAIN_LOCK)})")
     try:
-        return _train(cfg, resume, show_progress, allow_config_change)
+        with ray_session(cfg.cluster):
+            return _train(cfg, resume, show_progress, allow_config_change)
     finally:
         release(out, TRAIN_LOCK)
 
@@ -181,24 +191,28 @@ def _load(cfg: Config, resume: bool, allow_config_change: bool):
         )
     model, tokenizer = load_model(cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device)
     reference = None
-    if cfg.loss.kl_coef > 0:
+    if cfg.loss.kl_coef > 0 and cfg.cluster.learner_world_size == 1:  # FSDP2 ranks load their own
         reference = load_model(
             cfg.model.reference or cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device
         )[0]
     torch.manual_seed(cfg.train.seed)
     learner = Learner(model, cfg, reference)
-    if not resume:
-        return model, tokenizer, learner, 0
-    path, state, skipped = resume_latest(checkpoints, model, learner.optimizer, learner.scheduler)
-    for line in skipped:
-        print(f"kvstreams train: passed over checkpoint {line}; resuming from {path.name}", file=sys.stderr)
-    start = int(state["step"]) + 1
-    if start >= cfg.train.steps:
-        raise KVStreamsError(
-            f"{out} is finished ({start} of train.steps = {cfg.train.steps} steps done); "
-            "raise train.steps to continue it"
-        )
-    _check_drift(state.get("config", {}), cfg, out, start, allow_config_change)
+    start = 0
+    if resume:
+        path, state, skipped = resume_latest(checkpoints, model, learner.optimizer, learner.scheduler)
+        for line in skipped:
+            print(
+                f"kvstreams train: passed over checkpoint {line}; resuming from {path.name}", file=sys.stderr
+            )
+        start = int(state["step"]) + 1
+        if start >= cfg.train.steps:
+            raise KVStreamsError(
+                f"{out} is finished ({start} of train.steps = {cfg.train.steps} steps done); "
+                "raise train.steps to continue it"
+            )
+        _check_drift(state.get("config", {}), cfg, out, start, allow_config_change)
+    if cfg.cluster.learner_world_size > 1:  # the ranks start from what this process loaded
+        return model, tokenizer, LearnerGroup(cfg, learner, resumed=resume), start
     return model, tokenizer, learner, start
 
 
@@ -215,6 +229,7 @@ FREE_TO_CHANGE = (
     "train.out_dir",
     "model.device",
     "sft.",
+    "cluster.",  # where the work runs, not what is optimised: resume with another layout
 )
 
 
@@ -263,7 +278,7 @@ def _train(cfg: Config, resume: bool, show_progress: bool, allow_config_change: 
     checkpoints = out / "checkpoints"
     model, tokenizer, learner, start = _load(cfg, resume, allow_config_change)
     log = MetricsLog(out, tensorboard=cfg.train.tensorboard, keep_until=start if resume else None)
-    source = RolloutSource(model, tokenizer, cfg, version=start)
+    pool, source, weights, producer = _rollouts(cfg, model, tokenizer, start)
     write_json(out / "config.json", cfg.model_dump())
 
     def evaluate(step: int) -> dict[str, float]:
@@ -277,8 +292,6 @@ def _train(cfg: Config, resume: bool, show_progress: bool, allow_config_change: 
     if start == 0 and cfg.train.eval_every:
         first_eval = evaluate(0)
         log.log(0, first_eval)
-    weights = _Weights()
-    producer = AsyncRollouts(model, tokenizer, cfg, start, weights) if cfg.train.asynchronous else None
     progress_ctx = _progress(cfg.train.steps, start) if show_progress else nullcontext(None)
     last: dict[str, float] = {}
     nonfinite_run = 0  # consecutive steps whose update was skipped for a non-finite loss or gradient
@@ -295,38 +308,54 @@ def _train(cfg: Config, resume: bool, show_progress: bool, allow_config_change: 
                     batch = source.collect(step)
                     seconds = time.perf_counter() - t0
                 metrics = _learn(cfg, learner, batch, step, seconds, reported)
+                saving = (step + 1) % cfg.train.checkpoint_every == 0 or step + 1 == cfg.train.steps
+                learner.gather(optimizer=saving)  # FSDP2 ranks: their weights into `model`
+                if pool is not None:
+                    metrics.update(pool.metrics())
                 # wall-clock of the step without evaluation or checkpointing: what speed-to-reward counts
                 metrics["time/step_seconds"] = time.perf_counter() - t_step
                 nonfinite_run = nonfinite_run + 1 if metrics["optim/nonfinite_skipped"] else 0
                 _check_integrity(learner, cfg, step, nonfinite_run)
-                if producer is not None:
+                if producer is not None or pool is not None:
                     weights.publish(model, step + 1)
+                if producer is not None:
                     producer.learner_done(step)
                 if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0:
                     metrics.update(evaluate(step + 1))
                 log.log(step + 1, metrics)
                 last = metrics
-                if (step + 1) % cfg.train.checkpoint_every == 0 or step + 1 == cfg.train.steps:
-                    save_checkpoint(
-                        checkpoints,
-                        step,
-                        model,
-                        learner.optimizer,
-                        learner.scheduler,
-                        cfg.model_dump(),
-                        cfg.train.keep_last,
-                    )
+                if saving:
+                    opt = (learner.optimizer, learner.scheduler)
+                    save_checkpoint(checkpoints, step, model, *opt, cfg.model_dump(), cfg.train.keep_last)
                 if progress is not None:
                     progress(step + 1, metrics)
     finally:
-        if producer is not None:
-            producer.close()
+        for part in (producer, pool, learner if isinstance(learner, LearnerGroup) else None):
+            if part is not None:
+                part.close()
         log.close()
     summary = _summary(cfg, log.read(), last, first_eval)
     if cfg.train.plots:
         summary["plots"] = [str(p) for p in log.plot()]
     write_json(out / "summary.json", summary)
     return summary
+
+
+def _rollouts(cfg: Config, model, tokenizer, start: int):
+    """Where the rollouts come from: (the rollout workers or None, what the trainer collects and
+    evaluates with, the published weights, the asynchronous producer or None). The workers, or in
+    asynchronous mode a copy of the model, get every version of the weights as it is published."""
+    pool = None
+    if cfg.cluster.rollout_workers:
+        pool = WorkerPool(cfg, asynchronous=cfg.train.asynchronous)
+        pool.publish(model.state_dict(), start)
+    source = pool or RolloutSource(model, tokenizer, cfg, version=start)
+    weights = _Weights(pool=pool)
+    producer = None
+    if cfg.train.asynchronous:
+        own = pool or RolloutSource(copy.deepcopy(model), tokenizer, cfg, version=start)
+        producer = AsyncRollouts(own, cfg, start, weights)
+    return pool, source, weights, producer
 
 
 def _learn(

@@ -9,7 +9,7 @@ compression ``policy``) through :class:`~kvstreams.engine.RolloutEngine`. Seeds 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from kvstreams.chat import ChatFormat
@@ -53,6 +53,51 @@ class RolloutBatch:
         return [bool(e) for e in self.errors] if self.errors else [False] * len(self.rewards)
 
 
+@dataclass(frozen=True)
+class EpisodePlan:
+    """The episodes of one batch, in order: each one's environment seed, sampling seed and GRPO group.
+    A plan is all a rollout worker needs to reproduce its share of a batch (:meth:`shard`)."""
+
+    env_seeds: list[int]
+    sample_seeds: list[int]
+    groups: list[int]
+    greedy: bool = False
+    mode: str = "stream"
+    held_out: bool = False
+
+    def __len__(self) -> int:
+        return len(self.env_seeds)
+
+    def shard(self, lo: int, hi: int) -> EpisodePlan:
+        """Episodes ``lo:hi`` of this plan (same seeds, same groups)."""
+        return replace(
+            self,
+            env_seeds=self.env_seeds[lo:hi],
+            sample_seeds=self.sample_seeds[lo:hi],
+            groups=self.groups[lo:hi],
+        )
+
+
+def training_plan(cfg: Config, step: int) -> EpisodePlan:
+    """The rollouts of training step ``step``: ``prompts_per_step`` tasks x ``group_size`` episodes.
+    Seeds are a function of (run seed, step) alone, whoever runs them."""
+    r = cfg.rollout
+    base = cfg.train.seed * 1_000 + step * r.prompts_per_step  # training env seeds stay < eval_seed
+    env_seeds = [base + p for p in range(r.prompts_per_step) for _ in range(r.group_size)]
+    sample_seeds = [cfg.train.seed * 7_919 + step * 100_003 + i for i in range(len(env_seeds))]
+    groups = [p for p in range(r.prompts_per_step) for _ in range(r.group_size)]
+    return EpisodePlan(env_seeds, sample_seeds, groups, mode=r.mode)
+
+
+def evaluation_plan(cfg: Config, n: int, greedy: bool) -> EpisodePlan:
+    """Episodes on held-out tasks: seeds from ``train.eval_seed`` on, in the environment's held-out
+    split (GSM8K's test split); never used for training. Re-prefill runs are evaluated in stream mode
+    (the same model sees the same context)."""
+    seeds = [cfg.train.eval_seed + i for i in range(n)]
+    mode = cfg.rollout.mode if cfg.rollout.mode != "reprefill" else "stream"
+    return EpisodePlan(seeds, seeds, list(range(n)), greedy=greedy, mode=mode, held_out=True)
+
+
 def single_turn(cfg: Config) -> bool:
     return is_single_turn(cfg.rollout.env) or cfg.rollout.policy is not None
 
@@ -85,42 +130,35 @@ class RolloutSource:
         on_step: Callable[[int, WeightsTarget], None] | None = None,
         progress: Callable[[int], None] | None = None,
     ) -> RolloutBatch:
-        """The rollouts of training step ``step``: ``prompts_per_step`` tasks x ``group_size`` episodes.
-        ``on_step(n, target)`` runs after every decode step; it may call ``target.update_weights``."""
-        r = self.cfg.rollout
-        base = self.cfg.train.seed * 1_000 + step * r.prompts_per_step  # training env seeds stay < eval_seed
-        env_seeds = [base + p for p in range(r.prompts_per_step) for _ in range(r.group_size)]
-        sample_seeds = [self.cfg.train.seed * 7_919 + step * 100_003 + i for i in range(len(env_seeds))]
-        groups = [p for p in range(r.prompts_per_step) for _ in range(r.group_size)]
-        return self._run(
-            env_seeds, sample_seeds, groups, greedy=False, mode=r.mode, on_step=on_step, progress=progress
-        )
+        """The rollouts of training step ``step`` (:func:`training_plan`). ``on_step(n, target)`` runs
+        after every decode step; it may call ``target.update_weights``."""
+        return self.run(training_plan(self.cfg, step), on_step=on_step, progress=progress)
 
     def evaluate(self, n: int, greedy: bool) -> float:
-        """Mean reward on held-out tasks (:meth:`evaluation_batch`)."""
-        batch = self.evaluation_batch(n, greedy)
+        """Mean reward on held-out tasks (:func:`evaluation_plan`)."""
+        batch = self.run(evaluation_plan(self.cfg, n, greedy))
         return sum(batch.rewards) / len(batch.rewards)
 
-    def evaluation_seeds(self, n: int) -> list[int]:
-        return [self.cfg.train.eval_seed + i for i in range(n)]
+    def run(
+        self,
+        plan: EpisodePlan,
+        on_step: Callable[[int, WeightsTarget], None] | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> RolloutBatch:
+        """The episodes of ``plan``, in its order."""
+        r = self.cfg.rollout
+        envs = [make_env(r.env, **r.env_args) for _ in plan.env_seeds]
+        if plan.held_out:
+            envs = [env.held_out() for env in envs]
+        args = (envs, plan.env_seeds, plan.sample_seeds, plan.groups, plan.greedy)
+        if single_turn(self.cfg):
+            return self._single_turn(*args, on_step, progress)
+        return self._episodes(*args, plan.mode, on_step, progress)
 
-    def evaluation_batch(self, n: int, greedy: bool) -> RolloutBatch:
-        """Episodes on held-out tasks: seeds from ``train.eval_seed`` on, in the environment's held-out
-        split (GSM8K's test split); never used for training. Re-prefill runs are evaluated in stream
-        mode (the same model sees the same context)."""
-        seeds = self.evaluation_seeds(n)
-        mode = self.cfg.rollout.mode if self.cfg.rollout.mode != "reprefill" else "stream"
-        return self._run(seeds, seeds, list(range(n)), greedy=greedy, mode=mode, held_out=True)
-
-    def _run(
-        self, env_seeds, sample_seeds, groups, greedy, mode, on_step=None, progress=None, held_out=False
+    def _episodes(
+        self, envs, env_seeds, sample_seeds, groups, greedy, mode, on_step, progress
     ) -> RolloutBatch:
         r = self.cfg.rollout
-        envs = [make_env(r.env, **r.env_args) for _ in env_seeds]
-        if held_out:
-            envs = [env.held_out() for env in envs]
-        if single_turn(self.cfg):
-            return self._single_turn(envs, env_seeds, sample_seeds, groups, greedy, on_step, progress)
         strategy = (
             make_strategy(r.strategy, preset=r.strategy_preset, **r.strategy_args)
             if r.strategy and mode != "full"
