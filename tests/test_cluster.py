@@ -260,3 +260,18 @@ def test_a_run_on_two_workers_and_two_ranks_is_the_single_process_run(ray_local,
         assert a[key] == b[key], key
     for key in ("loss/pg", "grad/norm"):
         assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-6), key
+
+
+@pytest.mark.slow
+def test_asynchronous_training_on_workers_keeps_the_async_bound(ray_local, model_dirs, tmp_path):
+    """Asynchronous `kvstreams train` on 2 rollout workers: the rollouts of step s start with weights
+    of version >= s - max_async_level, none newer than s, and new versions reach the workers."""
+    raw = _cfg(model_dirs["qwen3"], str(tmp_path / "async"), rollout_workers=2)
+    raw["train"].update(steps=4, asynchronous=True, max_async_level=1, max_off_policy_steps=1)
+    rows = [r for r in _train(raw) if "rollout/version_min" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for r in rows:
+        step = r["step"] - 1
+        assert step - 1 <= r["rollout/version_min"] <= r["rollout/version_max"] <= step
+        assert r["off_policy/token_staleness_max"] <= 1 and r["off_policy/dropped_frac"] == 0
+    assert max(r["rollout/version_max"] for r in rows) >= 2

@@ -4,7 +4,8 @@ Side by side in one process, on the same batch: rollouts in the trainer's proces
 Ray rollout workers (the same episodes: the tokens are checked equal), and the learner step in the
 trainer's process and on 1 and 2 FSDP2 ranks (the same loss and gradient norm: checked). Actor
 start-up (a Python process importing torch and transformers, loading the model) is reported apart
-from the per-batch time. On a 2-core CPU the workers and ranks share the cores the single process
+from the per-batch time. Every process, the trainer's included, runs torch on one thread per CPU
+Ray reserves for a worker or rank (1 by default). On a 2-core CPU the workers and ranks share the cores the single process
 already used, so the ratios say what the overheads cost, not what more hardware would give; the
 same command with ``--device cuda`` on a machine with one GPU per worker and rank measures that.
 """
@@ -75,18 +76,25 @@ def _config(settings: ClusterBenchSettings, model_dir: Path, workers: int = 0, r
 
 
 def bench_cluster(settings: ClusterBenchSettings, models_dir: str | Path, out_dir: str | Path) -> BenchReport:
-    from kvstreams.cluster.launch import start_ray
+    import torch
+
+    from kvstreams.cluster.launch import actor_threads, start_ray
 
     started = time.perf_counter()
     report = BenchReport("cluster", settings=dict(settings.__dict__))
     model_dir = bench_model(settings.model, models_dir)
     biggest = _config(settings, model_dir, max(settings.workers), max(settings.ranks))
     ray = start_ray(biggest.cluster)
+    # the in-process rows get the threads of one worker or rank (1 per reserved CPU): on a tiny model
+    # torch's default of one thread per core is slower than one thread, which would flatter the actors
+    threads = torch.get_num_threads()
+    torch.set_num_threads(actor_threads(biggest.cluster.worker_cpus))
     try:
         with progress_bar(1 + len(settings.workers) + 1 + len(settings.ranks)) as step:
             rollouts = _bench_rollouts(report, settings, model_dir, step)
             learner = _bench_learner(report, settings, model_dir, step)
     finally:
+        torch.set_num_threads(threads)
         ray.shutdown()
     report.targets += _targets(rollouts, learner)
     report.seconds = round(time.perf_counter() - started, 1)
