@@ -146,8 +146,18 @@ class _Recorder:
         self.target.update_weights(state, version)
 
 
-def test_cluster_config_is_checked_before_any_process_starts():
+def test_cluster_config_is_checked_before_any_process_starts(monkeypatch):
     assert not validate_config({}).cluster.distributed
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a)
+    )
+    validate_config({})  # the single-process path never needs Ray
+    with pytest.raises(KVStreamsError, match=r"needs Ray: pip install 'kvstreams\[cluster\]'"):
+        validate_config({"cluster": {"rollout_workers": 2}})
+    monkeypatch.undo()
     with pytest.raises(KVStreamsError, match=r"cluster\.learner_gpus"):
         validate_config({"model": {"device": "cuda"}, "cluster": {"learner_world_size": 2}})
     with pytest.raises(KVStreamsError, match=r"cluster\.rollout_workers"):
