@@ -288,6 +288,7 @@ def test_asynchronous_training_on_workers_keeps_the_async_bound(ray_local, model
     of version >= s - max_async_level, none newer than s, and new versions reach the workers."""
     raw = _cfg(model_dirs["qwen3"], str(tmp_path / "async"), rollout_workers=2)
     raw["train"].update(steps=4, asynchronous=True, max_async_level=1, max_off_policy_steps=1)
+    raw["train"].update(eval_every=2, eval_episodes=2)  # evaluation must not disturb the workers' versions
     rows = [r for r in _train(raw) if "rollout/version_min" in r]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for r in rows:

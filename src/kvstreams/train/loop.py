@@ -278,14 +278,14 @@ def _train(cfg: Config, resume: bool, show_progress: bool, allow_config_change: 
     checkpoints = out / "checkpoints"
     model, tokenizer, learner, start = _load(cfg, resume, allow_config_change)
     log = MetricsLog(out, tensorboard=cfg.train.tensorboard, keep_until=start if resume else None)
-    pool, source, weights, producer = _rollouts(cfg, model, tokenizer, start)
+    pool, source, evaluator, weights, producer = _rollouts(cfg, model, tokenizer, start)
     write_json(out / "config.json", cfg.model_dump())
 
     def evaluate(step: int) -> dict[str, float]:
         n = cfg.train.eval_episodes
         return {
-            "eval/reward_mean": source.evaluate(n, greedy=False),
-            "eval/reward_greedy": source.evaluate(n, greedy=True),
+            "eval/reward_mean": evaluator.evaluate(n, greedy=False),
+            "eval/reward_greedy": evaluator.evaluate(n, greedy=True),
         }
 
     first_eval: dict[str, float] = {}
@@ -342,20 +342,24 @@ def _train(cfg: Config, resume: bool, show_progress: bool, allow_config_change: 
 
 
 def _rollouts(cfg: Config, model, tokenizer, start: int):
-    """Where the rollouts come from: (the rollout workers or None, what the trainer collects and
-    evaluates with, the published weights, the asynchronous producer or None). The workers, or in
-    asynchronous mode a copy of the model, get every version of the weights as it is published."""
+    """Where the rollouts come from: (the rollout workers or None, what the trainer collects with,
+    what it evaluates with, the published weights, the asynchronous producer or None). The workers,
+    or in asynchronous mode a copy of the model, get every version of the weights as it is published.
+    Evaluation runs where the training rollouts do, except in asynchronous training on workers: they
+    are busy sampling ahead with older weights, so evaluation uses the learner's model here."""
+    local = RolloutSource(model, tokenizer, cfg, version=start)
     pool = None
     if cfg.cluster.rollout_workers:
         pool = WorkerPool(cfg, asynchronous=cfg.train.asynchronous)
         pool.publish(model.state_dict(), start)
-    source = pool or RolloutSource(model, tokenizer, cfg, version=start)
+    source = pool or local
     weights = _Weights(pool=pool)
     producer = None
     if cfg.train.asynchronous:
         own = pool or RolloutSource(copy.deepcopy(model), tokenizer, cfg, version=start)
         producer = AsyncRollouts(own, cfg, start, weights)
-    return pool, source, weights, producer
+    evaluator = local if producer is not None else source
+    return pool, source, evaluator, weights, producer
 
 
 def _learn(
