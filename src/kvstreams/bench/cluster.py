@@ -69,7 +69,7 @@ def _config(settings: ClusterBenchSettings, model_dir: Path, workers: int = 0, r
                 "rollout_workers": workers,
                 "learner_world_size": ranks,
                 "worker_gpus": 1.0 if gpu and workers else 0.0,
-                "learner_gpus": 1.0 if gpu and ranks > 1 else 0.0,
+                "learner_gpus": 1.0 if gpu else 0.0,  # a rank on CUDA needs its GPU, even alone
             },
         }
     )
