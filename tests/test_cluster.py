@@ -248,7 +248,7 @@ def _train(raw: dict, resume: bool = False) -> list[dict]:
 
 def test_a_run_on_two_workers_and_two_ranks_is_the_single_process_run(ray_local, model_dirs, tmp_path):
     """`kvstreams train` with [cluster] 2 x 2: the same rollouts (tokens, rewards, costs), step-1 loss
-    and gradient norm as without [cluster]; its checkpoint resumes under another layout (1 worker, 2
+    and gradient norm as without [cluster]; its checkpoint resumes under another layout (no workers, 2
     ranks) to the step the single-process run reaches."""
     single = _cfg(model_dirs["qwen3"], str(tmp_path / "single"))
     cluster = _cfg(model_dirs["qwen3"], str(tmp_path / "cluster"), rollout_workers=2, learner_world_size=2)
@@ -260,11 +260,11 @@ def test_a_run_on_two_workers_and_two_ranks_is_the_single_process_run(ray_local,
     for key in ("loss/pg", "entropy/mean", "grad/norm", "mismatch/k3_kl"):
         assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-7), key
     assert b["cluster/worker_restarts"] == 0 and a["grad/norm"] > 0
-    # the 2 x 2 checkpoint is the single-process format: resume it with 1 worker and 2 ranks (the
-    # ranks load the gathered optimizer state) to the single-process run's step 2
+    # the 2 x 2 checkpoint is the single-process format: resume it with rollouts in the trainer's
+    # process and 2 ranks (which load the gathered optimizer state) to the single-process run's step 2
     for raw in (single, cluster):
         raw["train"]["steps"] = 2
-    cluster["cluster"] = {"rollout_workers": 1, "learner_world_size": 2}
+    cluster["cluster"] = {"rollout_workers": 0, "learner_world_size": 2}
     a, b = _train(single, resume=True)[-1], _train(cluster, resume=True)[-1]
     assert a["step"] == b["step"] == 2
     for key in ("tokens/forwarded", "reward/mean"):
