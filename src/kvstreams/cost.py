@@ -82,12 +82,20 @@ def rollout_cost(
         cost.retained_mean = sum(e["retained"] for e in events) / len(events)
         cost.context_at_compaction_mean = sum(e["live_before"] for e in events) / len(events)
         cost.tokens_first_fill = first_fill
-        if cost.retained_mean < cost.context_at_compaction_mean:
-            new_tokens = counters.tokens_forwarded - counters.tokens_reprefilled
-            r, b = cost.retained_mean, cost.context_at_compaction_mean
-            cost.tokens_reprefilled_predicted = reprefill_closed_form(new_tokens, r, b)
-            cost.tokens_reprefilled_predicted_steady = reprefill_closed_form(new_tokens - first_fill, r, b)
+        _predict_reprefill(cost)
     return cost
+
+
+def _predict_reprefill(cost: RolloutCost) -> None:
+    """Fill in the closed form's predictions from the cost's own counts and compaction means (when
+    compaction left fewer tokens than it found: otherwise the form diverges)."""
+    r, b = cost.retained_mean, cost.context_at_compaction_mean
+    if r < b:
+        new_tokens = cost.tokens_forwarded - cost.tokens_reprefilled
+        cost.tokens_reprefilled_predicted = reprefill_closed_form(new_tokens, r, b)
+        cost.tokens_reprefilled_predicted_steady = reprefill_closed_form(
+            new_tokens - cost.tokens_first_fill, r, b
+        )
 
 
 def merge_costs(parts: Sequence[RolloutCost]) -> RolloutCost:
@@ -112,11 +120,5 @@ def merge_costs(parts: Sequence[RolloutCost]) -> RolloutCost:
         total.context_at_compaction_mean = (
             sum(p.context_at_compaction_mean * p.compactions for p in parts) / total.compactions
         )
-        r, b = total.retained_mean, total.context_at_compaction_mean
-        if r < b:
-            new_tokens = total.tokens_forwarded - total.tokens_reprefilled
-            total.tokens_reprefilled_predicted = reprefill_closed_form(new_tokens, r, b)
-            total.tokens_reprefilled_predicted_steady = reprefill_closed_form(
-                new_tokens - total.tokens_first_fill, r, b
-            )
+        _predict_reprefill(total)
     return total

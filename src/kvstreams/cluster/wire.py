@@ -9,7 +9,7 @@ blob per version.
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import asdict, fields
 from typing import Any
 
 import torch
@@ -65,14 +65,7 @@ def _typed(values: Any, types: tuple[type, ...], where: str) -> list[Any]:
 
 
 def plan_to_wire(plan: EpisodePlan) -> dict[str, Any]:
-    return {
-        "env_seeds": list(plan.env_seeds),
-        "sample_seeds": list(plan.sample_seeds),
-        "groups": list(plan.groups),
-        "greedy": plan.greedy,
-        "mode": plan.mode,
-        "held_out": plan.held_out,
-    }
+    return asdict(plan)
 
 
 def plan_from_wire(data: dict[str, Any]) -> EpisodePlan:
