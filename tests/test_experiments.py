@@ -16,7 +16,7 @@ from kvstreams.experiments.is_variance import sequence_log_weights, weight_figur
 from kvstreams.experiments.measures import visible_before_last_reply
 from kvstreams.experiments.report import summarise, time_to_target
 from kvstreams.experiments.spec import ExperimentSpec
-from kvstreams.experiments.stats import mean_interval
+from kvstreams.stats import mean_interval
 from kvstreams.trace import Trace
 
 # --- statistics ---------------------------------------------------------------------------------------

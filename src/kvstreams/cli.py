@@ -828,6 +828,10 @@ def cmd_experiment(args) -> int:
     payload = experiments.run(spec, out, quick=args.quick, seeds=args.seeds, command=command)
     print((out / "results.md").read_text())
     print(f"results: {out / 'results.json'}; plots: {', '.join(payload['plots'])}")
+    failed = experiments.failed_checks(payload)
+    if failed:
+        print(f"kvstreams experiment: {failed} runs failed the experiment's check", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -38,7 +38,7 @@ from kvstreams.cluster.wire import (
 from kvstreams.cost import RolloutCost
 from kvstreams.errors import KVStreamsError
 from kvstreams.train.config import Config, validate_config
-from kvstreams.train.rollouts import EpisodePlan, RolloutBatch, evaluation_plan, training_plan
+from kvstreams.train.rollouts import EpisodePlan, RolloutBatch, training_plan
 
 
 class RolloutWorker:
@@ -94,7 +94,7 @@ class RolloutWorker:
 
 class WorkerPool:
     """``cluster.rollout_workers`` rollout workers behind the interface of a ``RolloutSource``
-    (``collect``, ``evaluate``, ``version``)."""
+    (``collect``, ``run``, ``version``)."""
 
     def __init__(self, cfg: Config, asynchronous: bool = False) -> None:
         self.cfg = cfg
@@ -125,10 +125,6 @@ class WorkerPool:
         """The rollouts of training step ``step``, sharded by GRPO group across the workers."""
         del on_step, progress  # the workers take new weights themselves; no per-step callback
         return self.run(training_plan(self.cfg, step), mid_rollout_updates=self.asynchronous)
-
-    def evaluate(self, n: int, greedy: bool) -> float:
-        batch = self.run(evaluation_plan(self.cfg, n, greedy))
-        return sum(batch.rewards) / len(batch.rewards)
 
     def run(self, plan: EpisodePlan, mid_rollout_updates: bool = False) -> RolloutBatch:
         shards = shard_plan(plan, len(self.workers))

@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from kvstreams.atomic import write_json
-from kvstreams.experiments.report import write_report
+from kvstreams.experiments.report import check_runs, write_report
 from kvstreams.experiments.runner import run_experiment
 from kvstreams.experiments.spec import ExperimentSpec, available, load_spec
 
-__all__ = ["ExperimentSpec", "available", "load_spec", "run"]
+__all__ = ["ExperimentSpec", "available", "failed_checks", "load_spec", "run"]
 
 
 def default_out(spec: ExperimentSpec, quick: bool) -> Path:
@@ -29,8 +29,39 @@ def run(spec: ExperimentSpec, out: Path, quick: bool, seeds: int | None, command
     out.mkdir(parents=True, exist_ok=True)
     if spec.kind == "is_variance":
         return _run_probe(spec, out, quick, seeds, command)
+    if spec.kind == "ladder":
+        return _run_ladder(spec, out, quick, seeds, command)
     results = run_experiment(spec, out, quick=quick, seeds=seeds)
-    return write_report(spec, spec.arms_to_run(quick), results, out, command)
+    checks = check_runs(spec, results, quick)
+    return write_report(spec, spec.arms_to_run(quick), results, out, command, checks)
+
+
+def failed_checks(payload: dict[str, Any]) -> int:
+    """Runs that failed their experiment's check (every rung's, for a ladder)."""
+    if "rungs" in payload:
+        return sum(failed_checks(p) for p in payload["rungs"].values())
+    return (payload.get("checks") or {}).get("failed", 0)
+
+
+def _run_ladder(spec: ExperimentSpec, out: Path, quick: bool, seeds: int | None, command: str) -> dict:
+    """Each rung (an experiment of its own, in ``OUT/RUNG``) in order, every one run even when an
+    earlier one fails; one report with every rung's table and check."""
+    payloads: dict[str, Any] = {}
+    text = [f"# {spec.title}", "", spec.question, "", f"Command: `{command}`", ""]
+    for name in spec.rungs:
+        rung = load_spec(name, spec.overrides)
+        print(f"{spec.name}: rung {name}", file=sys.stderr, flush=True)
+        payloads[name] = run(rung, out / name, quick, seeds, f"{command} (rung {name})")
+        text += [(out / name / "results.md").read_text().replace("\n# ", "\n## ", 1), ""]
+    failed = sum(failed_checks(p) for p in payloads.values())
+    text.insert(
+        4, f"**{'every checked rung passes' if not failed else f'{failed} runs fail their check'}.**\n"
+    )
+    payload = {"experiment": spec.name, "command": command, "rungs": payloads, "failed": failed}
+    write_json(out / "results.json", {k: v for k, v in payload.items()})
+    (out / "results.md").write_text("\n".join(text))
+    payload["plots"] = [p for rung in payloads.values() for p in rung.get("plots", [])]
+    return payload
 
 
 def _run_probe(spec: ExperimentSpec, out: Path, quick: bool, seeds: int | None, command: str) -> dict:

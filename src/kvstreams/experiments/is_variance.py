@@ -24,10 +24,10 @@ from kvstreams.chat import ChatFormat
 from kvstreams.engine import RolloutEngine, SamplingParams
 from kvstreams.envs import make_env
 from kvstreams.experiments.spec import ExperimentSpec
-from kvstreams.experiments.stats import mean_interval
 from kvstreams.policies import make_policy
 from kvstreams.replay import replay_logprobs
 from kvstreams.single_turn import env_prompts
+from kvstreams.stats import mean_interval
 from kvstreams.trace import Trace
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from kvstreams.atomic import write_json
 from kvstreams.experiments.spec import Arm, ExperimentSpec
-from kvstreams.experiments.stats import Interval, mean_interval
+from kvstreams.stats import Interval, mean_interval
 
 REWARD = "eval/reward_mean"
 
@@ -242,12 +242,47 @@ def _band(runs: list[dict[str, Any]], x: str):
     return xs, means, lows, highs
 
 
+def check_runs(spec: ExperimentSpec, results: list[dict[str, Any]], quick: bool) -> dict[str, Any] | None:
+    """The spec's check on every finished run (None when the spec has none, or it is off under
+    --quick): per run its figures and verdict, and how many failed."""
+    check = spec.check
+    if check is None or (quick and not check.in_quick):
+        return None
+    runs = [
+        {"arm": r["arm"], "seed": r["seed"], **check.verdict(r["start"], r["final"])}
+        for r in sorted(results, key=lambda r: (r["arm"], r["seed"]))
+    ]
+    return {"rule": check.describe(), "runs": runs, "failed": sum(not r["passed"] for r in runs)}
+
+
+def check_markdown(checks: dict[str, Any] | None) -> list[str]:
+    if checks is None:
+        return []
+    n = len(checks["runs"])
+    lines = ["## check", "", f"Rule: {checks['rule']}. **{n - checks['failed']} of {n} runs pass.**", ""]
+    lines += ["| arm | seed | before | after | passes |", "|---|---|---|---|---|"]
+    for r in checks["runs"]:
+        before, after = (_cell(r[k]) if r[k] is None else f"{r[k]:.3f}" for k in ("before", "after"))
+        lines.append(
+            f"| {r['arm']} | {r['seed']} | {before} | {after} | {'yes' if r['passed'] else '**no**'} |"
+        )
+    return [*lines, ""]
+
+
 def write_report(
-    spec: ExperimentSpec, arms: list[Arm], results: list[dict[str, Any]], out: Path, command: str
+    spec: ExperimentSpec,
+    arms: list[Arm],
+    results: list[dict[str, Any]],
+    out: Path,
+    command: str,
+    checks: dict[str, Any] | None = None,
 ) -> dict:
     summary = summarise(spec, arms, results)
     payload = {"experiment": spec.name, "command": command, "summary": summary, "runs": results}
+    if checks is not None:
+        payload["checks"] = checks
     write_json(out / "results.json", payload)
-    (out / "results.md").write_text(markdown(spec, arms, summary, command))
+    text = markdown(spec, arms, summary, command) + "\n".join(check_markdown(checks))
+    (out / "results.md").write_text(text)
     payload["plots"] = [str(p) for p in plot_curves(spec, arms, results, out)]
     return payload

@@ -19,7 +19,7 @@ from kvstreams.experiments.spec import Arm, ExperimentSpec
 from kvstreams.train.checkpoint import latest_checkpoint
 from kvstreams.train.metrics import read_metrics
 
-CURVE_KEYS = ("eval/reward_mean", "eval/reward_greedy", "reward/mean")
+CURVE_KEYS = ("eval/reward_mean", "eval/reward_greedy", "eval/pass@1", "reward/mean")
 MEAN_KEYS = (  # averaged over a run's steps
     "mismatch/k3_kl",
     "mismatch/abs_logprob_diff_max",
@@ -44,11 +44,13 @@ def warm_start(spec: ExperimentSpec, seed: int, models: Path, quick: bool, log) 
     ws = spec.warm_start
     assert ws is not None
     out = models / f"seed-{seed}"
-    if not (out / "sft" / "sft.json").is_file() and not claim(out):
+    model = out / ("sft" if ws.sft else "base")
+    done = model / ("sft.json" if ws.sft else "fresh.json")  # written last: the model is complete
+    if not done.is_file() and not claim(out):
         return None  # another process is making it
-    if (out / "sft" / "sft.json").is_file():
+    if done.is_file():
         release(out)
-        return str(out / "sft")
+        return str(model)
     try:
         return _make_warm_start(spec, ws, seed, out, quick, log)
     finally:
@@ -59,8 +61,11 @@ def _make_warm_start(spec: ExperimentSpec, ws, seed: int, out: Path, quick: bool
     from kvstreams.tiny import make_tiny_model
     from kvstreams.train.sft import sft
 
-    log(f"warm start, seed {seed}: tiny {ws.arch} model + SFT on the expert")
+    log(f"warm start, seed {seed}: tiny {ws.arch} model" + (" + SFT on the expert" if ws.sft else ""))
     make_tiny_model(out / "base", arch=ws.arch, layers=ws.layers, hidden=ws.hidden, heads=ws.heads, seed=seed)
+    if not ws.sft:
+        write_json(out / "base" / "fresh.json", {"seed": seed, "arch": ws.arch})
+        return str(out / "base")
     cfg = spec.arm_config(spec.arms[0], seed, str(out / "base"), out / "unused", quick)
     cfg.sft.base, cfg.sft.out, cfg.sft.seed = str(out / "base"), str(out / "sft"), seed
     if quick and spec.quick.sft_steps:
@@ -123,6 +128,7 @@ def _evaluate(spec, arm, seed, model, out, quick, evaluation) -> dict[str, float
     from kvstreams.experiments.measures import measure
     from kvstreams.models import load_model
     from kvstreams.train.config import set_dotted, validate_config
+    from kvstreams.train.evaluation import evaluate
     from kvstreams.train.rollouts import RolloutSource
 
     data = spec.arm_config(arm, seed, model, out, quick).model_dump(exclude_none=True)
@@ -133,10 +139,7 @@ def _evaluate(spec, arm, seed, model, out, quick, evaluation) -> dict[str, float
     load_weights(weights, str(latest_checkpoint(out / "checkpoints") / "model.safetensors"))
     n = evaluation.episodes or cfg.train.eval_episodes
     source = RolloutSource(weights, tokenizer, cfg, version=cfg.train.steps)
-    result = {
-        "eval/reward_mean": source.evaluate(n, greedy=False),
-        "eval/reward_greedy": source.evaluate(n, greedy=True),
-    }
+    result = evaluate(source, n, cfg.train.eval_samples)
     result.update(measure(evaluation.measure, source, n) if evaluation.measure else {})
     return result
 

@@ -45,6 +45,7 @@ class WarmStart(_Table):
     env_args: dict[str, Any] | None = Field(
         None, description="environment options for the demonstrations (default: the rollout's)"
     )
+    sft: bool = Field(True, description="false: the fresh random model itself (the bandit rung)")
 
 
 class Evaluation(_Table):
@@ -65,6 +66,41 @@ class Quick(_Table):
     sft_steps: int | None = Field(None, ge=1)
 
 
+class Check(_Table):
+    """What every run of the experiment must reach: ``kvstreams experiment`` exits 1 when one does not,
+    so an experiment with a check can guard CI (the RL sanity ladder). Figures are the run's evaluations
+    before training and after its last step (``eval/...`` keys of ``metrics.jsonl``)."""
+
+    metric: str = Field("eval/reward_mean", pattern=r"^eval/", description="the evaluation figure checked")
+    final_at_least: float | None = Field(None, description="after training, metric >= this")
+    gain_at_least: float | None = Field(None, description="after minus before >= this")
+    in_quick: bool = Field(True, description="also checked under --quick (false: toy sizes cannot reach it)")
+
+    @model_validator(mode="after")
+    def _something(self) -> Check:
+        if self.final_at_least is None and self.gain_at_least is None:
+            raise ValueError("a check needs final_at_least or gain_at_least")
+        return self
+
+    def verdict(self, start: dict[str, float], final: dict[str, float]) -> dict[str, Any]:
+        """One run's figures and whether they pass."""
+        before, after = start.get(self.metric), final.get(self.metric)
+        ok = after is not None
+        if ok and self.final_at_least is not None:
+            ok = after >= self.final_at_least
+        if ok and self.gain_at_least is not None:
+            ok = before is not None and after - before >= self.gain_at_least
+        return {"metric": self.metric, "before": before, "after": after, "passed": ok}
+
+    def describe(self) -> str:
+        parts = []
+        if self.final_at_least is not None:
+            parts.append(f"{self.metric} after training >= {self.final_at_least:g}")
+        if self.gain_at_least is not None:
+            parts.append(f"{self.metric} gain >= {self.gain_at_least:+g}")
+        return " and ".join(parts) + " on every run"
+
+
 class Probe(_Table):
     """``kind = "is_variance"``: the importance-weight probe (no training)."""
 
@@ -78,7 +114,11 @@ class ExperimentSpec(_Table):
     title: str
     source: str = Field(description="the paper result it reproduces, cited")
     question: str = Field(description="what the experiment answers")
-    kind: Literal["train", "is_variance"] = "train"
+    kind: Literal["train", "is_variance", "ladder"] = "train"
+    rungs: list[str] = Field(
+        default_factory=list, description="kind = 'ladder': the experiments run in order, each with its check"
+    )
+    check: Check | None = None
     seeds: int = Field(3, ge=1)
     model: str | None = Field(None, description="an existing model directory for every run")
     warm_start: WarmStart | None = None
@@ -100,6 +140,8 @@ class ExperimentSpec(_Table):
         names = [a.name for a in self.arms]
         if len(set(names)) != len(names):
             raise ValueError(f"arm names repeat: {names}")
+        if self.kind == "ladder" and (not self.rungs or self.arms):
+            raise ValueError("a ladder names its rungs (other experiments) and has no arms of its own")
         if self.kind == "train" and not self.arms:
             raise ValueError("a training experiment needs at least one [[arms]]")
         if self.kind == "train" and (self.model is None) == (self.warm_start is None):

@@ -101,7 +101,13 @@ class TrainSection(_Section):
     seed: int = 0
     out_dir: str = "runs/train"
     eval_every: int = Field(10, ge=0)
-    eval_episodes: int = Field(16, ge=1)
+    eval_episodes: int = Field(16, ge=1, description="held-out tasks per evaluation")
+    eval_samples: int = Field(
+        1,
+        ge=1,
+        description="sampled episodes per held-out task: pass@1 is estimated from all of them and "
+        "pass@k is reported for k = eval_samples (train/evaluation.py); plus one greedy episode per task",
+    )
     eval_seed: int = 1_000_000  # held-out seeds start here; training seeds are far below
     checkpoint_every: int = Field(1, ge=1, description="1: a crash loses at most the step in flight")
     keep_last: int = Field(2, ge=1)
@@ -117,6 +123,13 @@ class TrainSection(_Section):
         ge=0,
         description="a group whose oldest sampled token came from weights more than this many steps "
         "older than the step that trains it is dropped, not trained on (prime-rl; KV-streams used 3)",
+    )
+    zero_variance_groups: Literal["keep", "drop"] = Field(
+        "keep",
+        description="GRPO groups whose rewards are all equal have zero advantage: keep them in the "
+        "batch (they still count in the token normaliser and the KL term) or drop them before the "
+        "update (DAPO's dynamic sampling, filtering without resampling); the share is logged as "
+        "rollout/zero_variance_group_frac. Measured: docs/results.md (rl-sanity)",
     )
     max_nonfinite_steps: int = Field(
         3,

@@ -33,6 +33,7 @@ from kvstreams.cluster.launch import ray_session
 from kvstreams.cluster.workers import WorkerPool
 from kvstreams.errors import KVStreamsError
 from kvstreams.models import load_model
+from kvstreams.train import evaluation
 from kvstreams.train.checkpoint import latest_checkpoint, remove_orphans, resume_latest, save_checkpoint
 from kvstreams.train.config import Config
 from kvstreams.train.learner import Learner
@@ -221,6 +222,7 @@ FREE_TO_CHANGE = (
     "train.steps",
     "train.eval_every",
     "train.eval_episodes",
+    "train.eval_samples",
     "train.checkpoint_every",
     "train.keep_last",
     "train.max_nonfinite_steps",
@@ -282,11 +284,7 @@ def _train(cfg: Config, resume: bool, show_progress: bool, allow_config_change: 
     write_json(out / "config.json", cfg.model_dump())
 
     def evaluate(step: int) -> dict[str, float]:
-        n = cfg.train.eval_episodes
-        return {
-            "eval/reward_mean": evaluator.evaluate(n, greedy=False),
-            "eval/reward_greedy": evaluator.evaluate(n, greedy=True),
-        }
+        return evaluation.evaluate(evaluator, cfg.train.eval_episodes, cfg.train.eval_samples)
 
     first_eval: dict[str, float] = {}
     if start == 0 and cfg.train.eval_every:
@@ -369,7 +367,12 @@ def _learn(
     loss and optimiser figures). Environment failures are reported (once each) before the update."""
     metrics = rollout_metrics(batch, seconds)
     items, off_policy = learner_items(
-        batch, step, cfg.rollout.group_size, cfg.loss.normalize_std, cfg.train.max_off_policy_steps
+        batch,
+        step,
+        cfg.rollout.group_size,
+        cfg.loss.normalize_std,
+        cfg.train.max_off_policy_steps,
+        drop_zero_variance=cfg.train.zero_variance_groups == "drop",
     )
     metrics.update(off_policy)
     _report_failures(batch, step, reported)

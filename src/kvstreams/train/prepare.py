@@ -59,21 +59,44 @@ def stale_groups(
     return stale, metrics
 
 
+def zero_variance_groups(rewards: torch.Tensor, group_size: int, valid: torch.Tensor) -> torch.Tensor:
+    """[G] bool: the groups whose valid episodes all earned the same reward. GRPO gives every episode
+    of such a group a zero advantage, so the group carries no policy gradient (DAPO, Yu et al. 2025,
+    Sec. 3.2: "the gradients will be zero"); a group with fewer than two valid episodes counts too."""
+    r = rewards.view(-1, group_size).float()
+    v = valid.view(-1, group_size)
+    high = torch.where(v, r, torch.full_like(r, -torch.inf)).amax(dim=1)
+    low = torch.where(v, r, torch.full_like(r, torch.inf)).amin(dim=1)
+    return (v.sum(dim=1) < 2) | (high == low)
+
+
 def learner_items(
-    batch: RolloutBatch, step: int, group_size: int, normalize_std: bool, max_off_policy_steps: int
+    batch: RolloutBatch,
+    step: int,
+    group_size: int,
+    normalize_std: bool,
+    max_off_policy_steps: int,
+    drop_zero_variance: bool = False,
 ) -> tuple[list[TrainItem], dict[str, float]]:
     """GRPO advantages per episode (reward minus its group's mean, / std unless Dr. GRPO), given to
     every trained token of the episode (all its segments in re-prefill mode); stale groups and
-    episodes whose environment raised are dropped."""
+    episodes whose environment raised are dropped, and with ``drop_zero_variance`` the groups whose
+    rewards are all equal (DAPO's dynamic sampling, filter only: ``train.zero_variance_groups``)."""
     failed = batch.failed()
     valid = torch.tensor([not f for f in failed])
-    advantages = group_advantages(torch.tensor(batch.rewards), group_size, normalize_std, valid=valid)
+    rewards = torch.tensor(batch.rewards)
+    advantages = group_advantages(rewards, group_size, normalize_std, valid=valid)
     stale, metrics = stale_groups(batch, step, max_off_policy_steps)
+    flat = zero_variance_groups(rewards, group_size, valid)
+    metrics["rollout/zero_variance_group_frac"] = float(flat.float().mean())
+    dropped = set(stale)
+    if drop_zero_variance:
+        dropped |= {g for g in range(len(flat)) if flat[g]}
     # an episode whose environment raised is not trained on: its reward says nothing about the policy
     items = [
         TrainItem(s.trace, float(advantages[s.episode]), trained_positions(s.trace))
         for s in batch.samples
-        if s.group not in stale and not failed[s.episode]
+        if s.group not in dropped and not failed[s.episode]
     ]
     metrics["rollout/failed_frac"] = sum(failed) / max(1, len(failed))
     return items, metrics

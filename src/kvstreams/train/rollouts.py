@@ -89,13 +89,18 @@ def training_plan(cfg: Config, step: int) -> EpisodePlan:
     return EpisodePlan(env_seeds, sample_seeds, groups, mode=r.mode)
 
 
-def evaluation_plan(cfg: Config, n: int, greedy: bool) -> EpisodePlan:
-    """Episodes on held-out tasks: seeds from ``train.eval_seed`` on, in the environment's held-out
-    split (GSM8K's test split); never used for training. Re-prefill runs are evaluated in stream mode
-    (the same model sees the same context)."""
+def evaluation_plan(cfg: Config, n: int, greedy: bool, samples: int = 1) -> EpisodePlan:
+    """Episodes on ``n`` held-out tasks, ``samples`` each (contiguous, one group per task): seeds from
+    ``train.eval_seed`` on, in the environment's held-out split (GSM8K's test split); never used for
+    training. A task's first sample uses the task's seed as sampling seed, so ``samples = 1`` draws what
+    earlier versions drew. Re-prefill runs are evaluated in stream mode (the same model sees the same
+    context)."""
     seeds = [cfg.train.eval_seed + i for i in range(n)]
+    env_seeds = [s for s in seeds for _ in range(samples)]
+    sample_seeds = [s + j * 1_000_003 for s in seeds for j in range(samples)]
+    groups = [i for i in range(n) for _ in range(samples)]
     mode = cfg.rollout.mode if cfg.rollout.mode != "reprefill" else "stream"
-    return EpisodePlan(seeds, seeds, list(range(n)), greedy=greedy, mode=mode, held_out=True)
+    return EpisodePlan(env_seeds, sample_seeds, groups, greedy=greedy, mode=mode, held_out=True)
 
 
 def single_turn(cfg: Config) -> bool:
@@ -133,11 +138,6 @@ class RolloutSource:
         """The rollouts of training step ``step`` (:func:`training_plan`). ``on_step(n, target)`` runs
         after every decode step; it may call ``target.update_weights``."""
         return self.run(training_plan(self.cfg, step), on_step=on_step, progress=progress)
-
-    def evaluate(self, n: int, greedy: bool) -> float:
-        """Mean reward on held-out tasks (:func:`evaluation_plan`)."""
-        batch = self.run(evaluation_plan(self.cfg, n, greedy))
-        return sum(batch.rewards) / len(batch.rewards)
 
     def run(
         self,
