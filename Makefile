@@ -55,7 +55,7 @@ kvpress-env:
 	$(KVPRESS_VENV)/bin/python -m pip install --quiet kvpress "transformers<5.3"
 
 # The papers' training results (docs/results.md): every experiment's full setting, resumable.
-EXPERIMENTS := smd-table is-variance recurrence-from-rl compaction-speed unseen-games distill-collapse
+EXPERIMENTS := rl-sanity smd-table is-variance recurrence-from-rl compaction-speed unseen-games distill-collapse
 
 experiments: $(STAMP)
 	for e in $(EXPERIMENTS); do $(BIN)/kvstreams experiment $$e || exit 1; done

@@ -181,3 +181,12 @@ def test_a_corrupt_cached_game_is_named_and_generated_again(tw_cache, corrupt, c
     reward, _, info = play(env, 7, lambda e: e.expert_reply())
     assert reward == pytest.approx(1.0) and info["won"]
     env.close()
+
+
+def test_memory_kinds_choose_the_facts_and_bad_kinds_are_refused():
+    env = make_env("memory", kinds=["number"], n_turns=2)
+    env.reset(5)
+    assert list(env.facts) == ["number"] and 10 <= int(env.facts["number"]) <= 99
+    for bad in (["colour"], [], ["number", "number"]):
+        with pytest.raises(KVStreamsError, match="kinds"):
+            make_env("memory", kinds=bad)

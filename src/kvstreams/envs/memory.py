@@ -6,7 +6,9 @@ own replies (or summaries) can still answer. Each reply should be
 ``<state>...</state><action>...</action>``; the final question is answered inside ``<action>``.
 
 Knobs: ``n_facts`` (how much to remember), ``n_turns`` (distractor turns before the question),
-``noise_words`` (length of each distractor observation). Reward: the fraction of facts answered
+``noise_words`` (length of each distractor observation), ``kinds`` (which facts, e.g. ``["number"]``:
+a two-digit number a guess gets right 1 time in 90, where a colour pays 1 in 6; default the first
+``n_facts`` of color, room, name, code, number). Reward: the fraction of facts answered
 correctly, given at the end. ``expert_reply`` carries the facts in every reply, so its demonstrations
 teach exactly that habit; with ``expert_carries_state = False`` its states are empty and only its final
 answer is right (read from the full context): demonstrations of the output format alone, for the
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from kvstreams.envs.base import Environment, Message, StepResult, parse_action, register
+from kvstreams.errors import KVStreamsError
 from kvstreams.words import WORDS
 
 FACT_KINDS = ("color", "room", "name", "code", "number")  # easiest first: n_facts=1 asks for a color
@@ -39,12 +42,20 @@ class MemoryEnv(Environment):
     noise_words: int = 24
     max_turns: int = 32
     expert_carries_state: bool = True
+    kinds: list[str] | None = None  # which facts, e.g. ["number"]; default: the first n_facts kinds
     _facts: dict[str, str] = field(default_factory=dict, init=False, repr=False)
     _turn: int = field(default=0, init=False, repr=False)
     _rng: random.Random = field(default_factory=random.Random, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.require_at_least(n_facts=1, n_turns=1, noise_words=0, max_turns=1)
+        if self.kinds is not None:
+            unknown = [k for k in self.kinds if k not in FACT_KINDS]
+            if unknown or not self.kinds or len(set(self.kinds)) != len(self.kinds):
+                raise KVStreamsError(
+                    f"environment 'memory': kinds must be distinct names of {', '.join(FACT_KINDS)}, "
+                    f"got {self.kinds}"
+                )
 
     def _fact_value(self, kind: str) -> str:
         if kind == "code":
@@ -63,7 +74,7 @@ class MemoryEnv(Environment):
 
     def reset(self, seed: int) -> list[Message]:
         self._rng = random.Random(seed)
-        kinds = FACT_KINDS[: max(1, min(self.n_facts, len(FACT_KINDS)))]
+        kinds = self.kinds or FACT_KINDS[: max(1, min(self.n_facts, len(FACT_KINDS)))]
         self._facts = {k: self._fact_value(k) for k in kinds}
         self._turn = 0
         return [

@@ -282,7 +282,7 @@ def write_report(
     if checks is not None:
         payload["checks"] = checks
     write_json(out / "results.json", payload)
-    text = markdown(spec, arms, summary, command) + "\n".join(check_markdown(checks))
+    text = "\n".join([markdown(spec, arms, summary, command), *check_markdown(checks)])
     (out / "results.md").write_text(text)
     payload["plots"] = [str(p) for p in plot_curves(spec, arms, results, out)]
     return payload
