@@ -144,3 +144,41 @@ def test_bandit_pays_the_target_only():
     env.reset(0)
     assert env.step("a buzz").reward == 1.0
     assert env.step("a bee").reward == 0.0
+
+
+def test_sft_stops_once_validation_reward_reaches_the_target(tmp_path, monkeypatch):
+    """A warm start weak on purpose: SFT stops at the first check where the held-out validation reward
+    reaches ``sft.stop_at_reward``; the validation tasks are not the evaluation's."""
+    from kvstreams.train import evaluation, sft
+    from kvstreams.train.config import validate_config
+
+    base = make_tiny_model(tmp_path / "base", seed=0)
+    cfg = validate_config(
+        {
+            "rollout": {"env": "bandit", "max_new_tokens": 4},
+            "sft": {
+                "base": str(base),
+                "out": str(tmp_path / "sft"),
+                "episodes": 8,
+                "steps": 300,
+                "lr": 3e-3,
+                "stop_at_reward": 0.9,
+                "check_every": 5,
+                "check_episodes": 16,
+            },
+        }
+    )
+    seeds: list[int] = []
+    real = evaluation.evaluation_plan
+
+    def spy(cfg, n, greedy, samples=1):
+        plan = real(cfg, n, greedy, samples)
+        seeds.extend(plan.env_seeds)
+        return plan
+
+    monkeypatch.setattr(evaluation, "evaluation_plan", spy)
+    summary = sft.sft(cfg, show_progress=False)
+    stop = summary["stopped_at_reward"]
+    assert stop is not None and stop["validation_reward"] >= 0.9
+    assert summary["steps"] == stop["step"] < 300 and stop["step"] % 5 == 0
+    assert min(seeds) == cfg.train.eval_seed + 500_000  # never the evaluation's tasks

@@ -73,7 +73,13 @@ def _make_warm_start(spec: ExperimentSpec, ws, seed: int, out: Path, quick: bool
     if ws.env_args is not None:
         cfg.rollout.env_args = dict(ws.env_args)
     summary = sft(cfg, show_progress=False)
-    log(f"  SFT loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}")
+    stop = summary["stopped_at_reward"]
+    at = (
+        f", stopped at step {stop['step']} (validation reward {stop['validation_reward']:.3f})"
+        if stop
+        else ""
+    )
+    log(f"  SFT loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}{at}")
     return str(out / "sft")
 
 

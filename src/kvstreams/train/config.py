@@ -155,6 +155,18 @@ class SFTSection(_Section):
     batch_size: int = Field(8, ge=1)
     lr: float = Field(3e-3, gt=0)
     seed: int = 0
+    stop_at_reward: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="stop once the mean sampled reward on held-out validation tasks reaches this: a "
+        "warm start weak on purpose, at the same level on every seed (the sanity ladder's rung 2). "
+        "The validation tasks are not the evaluation's (seeds from train.eval_seed + 500000)",
+    )
+    check_every: int = Field(10, ge=1, description="with stop_at_reward: SFT steps between validations")
+    check_episodes: int = Field(
+        64, ge=1, description="with stop_at_reward: validation tasks, one sample each"
+    )
 
 
 class ClusterSection(_Section):

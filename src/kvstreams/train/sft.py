@@ -53,6 +53,20 @@ def demonstrations(
     return out
 
 
+def validation_reward(model, tokenizer, cfg: Config) -> float:
+    """Mean sampled reward on ``sft.check_episodes`` held-out validation tasks (seeds from
+    ``train.eval_seed + 500000``: not the tasks the evaluation reports on, so stopping on them does
+    not select the warm start on its test set)."""
+    from kvstreams.train.evaluation import evaluate
+    from kvstreams.train.rollouts import RolloutSource
+
+    model.eval()
+    validation = cfg.model_copy(deep=True)
+    validation.train.eval_seed = cfg.train.eval_seed + 500_000
+    source = RolloutSource(model, tokenizer, validation)
+    return evaluate(source, cfg.sft.check_episodes, samples=1, greedy=False)["eval/reward_mean"]
+
+
 def sft(cfg: Config, show_progress: bool = True) -> dict[str, Any]:
     s, r = cfg.sft, cfg.rollout
     ensure_writable(Path(s.out), "sft.out")
@@ -65,6 +79,7 @@ def sft(cfg: Config, show_progress: bool = True) -> dict[str, Any]:
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id or 0
     losses = []
+    stopped: dict[str, float] | None = None
     model.train()
     for step in range(s.steps):
         chosen = [demos[rng.randrange(len(demos))] for _ in range(s.batch_size)]
@@ -92,6 +107,14 @@ def sft(cfg: Config, show_progress: bool = True) -> dict[str, Any]:
             print(
                 f"sft step {step + 1}/{s.steps}  loss {sum(losses[-10:]) / len(losses[-10:]):.4f}", flush=True
             )
+        if s.stop_at_reward is not None and (step + 1) % s.check_every == 0:
+            reward = validation_reward(model, tokenizer, cfg)
+            model.train()
+            if show_progress:
+                print(f"sft step {step + 1}: validation reward {reward:.3f}", flush=True)
+            if reward >= s.stop_at_reward:
+                stopped = {"step": step + 1, "validation_reward": reward}
+                break
     model.eval()
     path = Path(s.out)
     path.mkdir(parents=True, exist_ok=True)
@@ -101,7 +124,8 @@ def sft(cfg: Config, show_progress: bool = True) -> dict[str, Any]:
         "base": s.base,
         "out": str(path),
         "demonstrations": len(demos),
-        "steps": s.steps,
+        "steps": len(losses),
+        "stopped_at_reward": stopped,
         "loss_first": losses[0],
         "loss_last": sum(losses[-10:]) / len(losses[-10:]),
     }
