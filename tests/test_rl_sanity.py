@@ -8,6 +8,9 @@ log-probs, optimizer not stepping) and check that the rung then fails.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -182,3 +185,21 @@ def test_sft_stops_once_validation_reward_reaches_the_target(tmp_path, monkeypat
     assert stop is not None and stop["validation_reward"] >= 0.9
     assert summary["steps"] == stop["step"] < 300 and stop["step"] % 5 == 0
     assert min(seeds) == cfg.train.eval_seed + 500_000  # never the evaluation's tasks
+
+
+def test_experiment_exits_nonzero_when_a_run_fails_its_check(tmp_path):
+    """A one-arm bandit trained for one step cannot reach 0.9: the command says so and exits 1; a
+    ladder over it fails the same way."""
+    from kvstreams.cli import main
+
+    spec = (Path(__file__).resolve().parents[1] / "configs/experiments/rl-sanity-bandit.toml").read_text()
+    spec = spec.replace('name = "rl-sanity-bandit"', 'name = "one-step-bandit"')
+    head, _, _ = spec.partition("[[arms]]")
+    rung = tmp_path / "one-step-bandit.toml"
+    rung.write_text(
+        head + '[[arms]]\nname = "shadow"\n\n[check]\nmetric = "eval/reward_mean"\nfinal_at_least = 0.9\n'
+    )
+    args = ["experiment", str(rung), "--quick", "--set", "train.steps=1", "--set", "train.eval_every=1"]
+    assert main([*args, "--out", str(tmp_path / "run")]) == 1
+    checks = json.loads((tmp_path / "run" / "results.json").read_text())["checks"]
+    assert checks["failed"] == 1 and checks["runs"][0]["after"] < 0.9

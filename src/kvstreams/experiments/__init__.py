@@ -47,21 +47,31 @@ def _run_ladder(spec: ExperimentSpec, out: Path, quick: bool, seeds: int | None,
     """Each rung (an experiment of its own, in ``OUT/RUNG``) in order, every one run even when an
     earlier one fails; one report with every rung's table and check."""
     payloads: dict[str, Any] = {}
-    text = [f"# {spec.title}", "", spec.question, "", f"Command: `{command}`", ""]
+    rungs: list[str] = []
     for name in spec.rungs:
         rung = load_spec(name, spec.overrides)
         print(f"{spec.name}: rung {name}", file=sys.stderr, flush=True)
         payloads[name] = run(rung, out / name, quick, seeds, f"{command} (rung {name})")
-        text += [(out / name / "results.md").read_text().replace("\n# ", "\n## ", 1), ""]
+        rungs.append(_nested((out / name / "results.md").read_text(), name))
     failed = sum(failed_checks(p) for p in payloads.values())
-    text.insert(
-        4, f"**{'every checked rung passes' if not failed else f'{failed} runs fail their check'}.**\n"
-    )
+    checked = [name for name, p in payloads.items() if "checks" in p]
+    unchecked = [name for name in payloads if name not in checked]
+    verdict = f"{failed} runs fail their check" if failed else "every checked run passes"
+    verdict += f" (checked: {', '.join(checked) or 'none'}"
+    where = " under --quick" if quick else ""
+    verdict += f"; not checked{where}: {', '.join(unchecked)})" if unchecked else ")"
+    text = [f"# {spec.title}", "", spec.question, "", f"**{verdict}.**", "", f"Command: `{command}`", ""]
     payload = {"experiment": spec.name, "command": command, "rungs": payloads, "failed": failed}
-    write_json(out / "results.json", {k: v for k, v in payload.items()})
-    (out / "results.md").write_text("\n".join(text))
+    write_json(out / "results.json", payload)
+    (out / "results.md").write_text("\n".join([*text, *rungs]))
     payload["plots"] = [p for rung in payloads.values() for p in rung.get("plots", [])]
     return payload
+
+
+def _nested(markdown: str, rung: str) -> str:
+    """A rung's report inside the ladder's: headings one level down, plots found in the rung's folder."""
+    lines = [f"#{line}" if line.startswith("#") else line for line in markdown.splitlines()]
+    return "\n".join(lines).replace("](reward_", f"]({rung}/reward_") + "\n"
 
 
 def _run_probe(spec: ExperimentSpec, out: Path, quick: bool, seeds: int | None, command: str) -> dict:
