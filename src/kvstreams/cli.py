@@ -783,11 +783,16 @@ def cmd_train(args) -> int:
     table.add_column("figure")
     table.add_column("value", justify="right")
     before, after = summary.get("eval_before") or {}, summary.get("eval_after") or {}
-    for key in ("eval/reward_mean", "eval/reward_greedy"):
-        if key in before:
-            table.add_row(f"{key} before RL", f"{before[key]:.3f}")
-        if key in after:
-            table.add_row(f"{key} after RL", f"{after[key]:.3f}")
+    episodes = int(before.get("eval/tasks", 0) * before.get("eval/samples_per_task", 0))
+    keys = [k for k in before if k.startswith("eval/") and not k.endswith("_ci") and "/tasks" not in k]
+    for key in [k for k in keys if "samples_per_task" not in k]:
+        for when, figures in (("before", before), ("after", after)):
+            if key in figures:
+                half = figures.get(f"{key}_ci")
+                table.add_row(f"{key} {when} RL", f"{figures[key]:.3f}" + (f" ± {half:.3f}" if half else ""))
+    if "eval/pass@1" in before and "eval/pass@1" in after:
+        gain = after["eval/pass@1"] - before["eval/pass@1"]
+        table.add_row(f"eval/pass@1 gain ({episodes} held-out episodes)", f"{gain:+.3f}")
     if summary.get("mismatch_k3_kl_mean") is not None:
         table.add_row("mismatch/k3_kl (mean over steps)", f"{summary['mismatch_k3_kl_mean']:.2e}")
         table.add_row(
