@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 DEMO := runs/demo
 STAMP := $(VENV)/.kvstreams-installed
 
-.PHONY: install demo verify experiments experiments-quick bench bench-quick bench-real kvpress-env real-model verify-real gpu-check test test-slow test-all lint clean
+.PHONY: install demo verify experiments experiments-quick rl-sanity-quick bench bench-quick bench-real kvpress-env real-model verify-real gpu-check test test-slow test-all lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -62,6 +62,13 @@ experiments: $(STAMP)
 
 experiments-quick: $(STAMP)
 	for e in $(EXPERIMENTS); do $(BIN)/kvstreams experiment $$e --quick || exit 1; done
+
+# Does it train? The RL sanity ladder at toy sizes (under 3 minutes on 2 cores): rung 1 (a bandit learnt
+# from scratch with every correction) is checked and the command exits 1 if a run fails it; rungs 2-3 run
+# their code paths. CI runs it after the tests.
+rl-sanity-quick: $(STAMP)
+	rm -rf runs/rl-sanity-quick
+	$(BIN)/kvstreams experiment rl-sanity --quick --out runs/rl-sanity-quick
 
 # The same commands at toy sizes (about 3 minutes): keeps them working in CI; figures not meaningful.
 bench-quick: $(STAMP)

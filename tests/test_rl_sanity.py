@@ -203,3 +203,11 @@ def test_experiment_exits_nonzero_when_a_run_fails_its_check(tmp_path):
     assert main([*args, "--out", str(tmp_path / "run")]) == 1
     checks = json.loads((tmp_path / "run" / "results.json").read_text())["checks"]
     assert checks["failed"] == 1 and checks["runs"][0]["after"] < 0.9
+    ladder = tmp_path / "ladder.toml"
+    ladder.write_text(
+        f'name = "ladder"\ntitle = "t"\nsource = "s"\nquestion = "q"\nkind = "ladder"\nrungs = ["{rung}"]\n'
+    )
+    out = tmp_path / "ladder-run"
+    assert main(["experiment", str(ladder), "--quick", "--set", "train.steps=1", "--out", str(out)]) == 1
+    assert (out / "one-step-bandit" / "results.json").is_file()
+    assert "1 runs fail their check" in (out / "results.md").read_text()

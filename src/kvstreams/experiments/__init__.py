@@ -48,8 +48,9 @@ def _run_ladder(spec: ExperimentSpec, out: Path, quick: bool, seeds: int | None,
     earlier one fails; one report with every rung's table and check."""
     payloads: dict[str, Any] = {}
     rungs: list[str] = []
-    for name in spec.rungs:
-        rung = load_spec(name, spec.overrides)
+    for name_or_path in spec.rungs:
+        rung = load_spec(name_or_path, spec.overrides)
+        name = rung.name
         print(f"{spec.name}: rung {name}", file=sys.stderr, flush=True)
         payloads[name] = run(rung, out / name, quick, seeds, f"{command} (rung {name})")
         rungs.append(_nested((out / name / "results.md").read_text(), name))
