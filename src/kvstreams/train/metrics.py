@@ -11,7 +11,10 @@ from kvstreams.atomic import atomic_write
 from kvstreams.errors import KVStreamsError
 
 PLOTS = {
-    "reward.png": ("reward", ["reward/mean", "eval/reward_mean", "eval/reward_greedy"]),
+    "reward.png": (
+        "reward: training batches, and held-out pass@1 / pass@k / greedy",
+        ["reward/mean", "eval/pass@1", "eval/pass@4", "eval/pass@8", "eval/reward_greedy"],
+    ),
     "mismatch.png": (
         "sampler vs learner before the update (symlog)",
         ["mismatch/k3_kl", "mismatch/abs_logprob_diff_max"],
@@ -75,10 +78,30 @@ class MetricsLog:
             fig, ax = plt.subplots(figsize=(6, 3.5))
             drawn = False
             for key in keys:
-                points = [(r["step"], r[key]) for r in rows if key in r]
+                points = [(r["step"], r[key], r.get(f"{key}_ci", 0.0)) for r in rows if key in r]
                 if points:
-                    xs, ys = zip(*points, strict=True)
-                    ax.plot(xs, ys, marker="o", markersize=3, label=key)
+                    xs, ys, half = zip(*points, strict=True)
+                    if any(half):  # an evaluation: its 95% interval over tasks
+                        ax.errorbar(
+                            xs, ys, yerr=half, marker="o", markersize=4, capsize=3, label=f"{key} (95%)"
+                        )
+                    else:
+                        line = ax.plot(xs, ys, marker="o", markersize=2, linewidth=0.8, alpha=0.5, label=key)[
+                            0
+                        ]
+                        if key == "reward/mean" and len(ys) >= 8:  # the trend under the step-to-step noise
+                            k = max(2, len(ys) // 8)
+                            smooth = [
+                                sum(ys[max(0, i - k + 1) : i + 1]) / len(ys[max(0, i - k + 1) : i + 1])
+                                for i in range(len(ys))
+                            ]
+                            ax.plot(
+                                xs,
+                                smooth,
+                                color=line.get_color(),
+                                linewidth=2,
+                                label=f"{key}, mean of last {k}",
+                            )
                     drawn = True
             if drawn:
                 if "symlog" in title:  # the shadow track's ~1e-13 next to a baseline's ~1
