@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from kvstreams.cli import main
 from kvstreams.envs import make_env
@@ -306,3 +307,13 @@ def test_a_run_held_by_a_live_process_is_left_to_it_and_a_dead_holders_run_is_ta
         assert not (fresh / LOCK).exists()
     finally:
         live.kill()
+
+
+def test_the_sanity_ladder_names_shipped_rungs_each_with_a_check():
+    ladder = load_spec("rl-sanity")
+    assert ladder.kind == "ladder" and ladder.rungs[0] == "rl-sanity-bandit"
+    for rung in ladder.rungs:
+        spec = load_spec(rung)
+        assert spec.kind == "train" and spec.check is not None, rung
+    with pytest.raises(ValidationError, match="ladder"):
+        ExperimentSpec.model_validate({**_spec(), "kind": "ladder", "rungs": ["rl-sanity-bandit"]})
