@@ -129,19 +129,6 @@ def test_check_fails_a_run_below_its_bar():
     assert [r["passed"] for r in checks["runs"]] == [False, True]  # sorted: naive, shadow
 
 
-def test_lookup_rewards_the_asked_keys_and_not_a_copy_of_every_pair():
-    env = make_env("lookup", n_pairs=4, n_asked=2, filler=3)
-    prompt = env.reset(7)[0]["content"]
-    answer = env.expert_reply()
-    assert env.step(answer).reward == 1.0
-    first = answer.split()[0]
-    assert env.step(first).reward == 0.5  # one of two keys
-    pairs = [p.rstrip(".").split(" is ") for p in prompt.split("Remember: ")[1].split(". ")[:4]]
-    everything = " ".join(f"{k}={v}" for k, v in pairs)
-    assert env.step(everything).reward == 0.5  # both right, but four keys named
-    assert env.step("lamp=10 coin=11").reward < 1.0
-
-
 def test_bandit_pays_the_target_only():
     env = make_env("bandit", target="z")
     env.reset(0)

@@ -1,6 +1,6 @@
 """Environments: chat-message episodes for the rollout engine, registered by name."""
 
-from kvstreams.envs import bandit, gsm8k, lookup, memory, recall, textworld_env  # noqa: F401  (registration)
+from kvstreams.envs import bandit, gsm8k, memory, recall, textworld_env  # noqa: F401  (registration)
 from kvstreams.envs.base import (
     ENVIRONMENTS,
     Environment,
