@@ -317,3 +317,25 @@ def test_the_sanity_ladder_names_shipped_rungs_each_with_a_check():
         assert spec.kind == "train" and spec.check is not None, rung
     with pytest.raises(ValidationError, match="ladder"):
         ExperimentSpec.model_validate({**_spec(), "kind": "ladder", "rungs": ["rl-sanity-bandit"]})
+
+
+def test_the_report_gives_pass_at_1_and_pass_at_k_before_and_after_and_the_paired_gain():
+    spec = ExperimentSpec.model_validate(_spec())
+
+    def run(seed, before, after):
+        figures = {"eval/reward_mean": 0.0, "eval/pass@1": before, "eval/pass@8": before + 0.4}
+        final = {**figures, "eval/pass@1": after, "eval/pass@8": 1.0}
+        return {
+            "arm": "a",
+            "seed": seed,
+            "start": figures,
+            "final": final,
+            "means": {},
+            "evals": {},
+            "seconds": 1.0,
+        }
+
+    row = summarise(spec, spec.arms[:1], [run(0, 0.3, 0.7), run(1, 0.2, 0.8)])["a"]
+    assert row["start eval/pass@1"]["mean"] == pytest.approx(0.25)
+    assert row["final eval/pass@8"]["mean"] == 1.0
+    assert row["pass@1 gain"]["mean"] == pytest.approx(0.5) and row["pass@1 gain"]["n"] == 2

@@ -44,6 +44,17 @@ def arm_summary(spec: ExperimentSpec, runs: list[dict[str, Any]], reference: lis
     for key in (REWARD, "eval/reward_greedy"):
         iv = _interval([r["final"].get(key) for r in runs])
         row[f"final {key}"] = iv.as_dict() if iv else None
+    # pass@1 and pass@k (runs with eval.samples > 1) before and after training, and the pass@1 gain
+    passes = sorted(
+        {k for r in runs for k in r["final"] if k.startswith("eval/pass@") and not k.endswith("_ci")}
+    )
+    for key in passes:
+        for when in ("start", "final"):
+            iv = _interval([r[when].get(key) for r in runs])
+            row[f"{when} {key}"] = iv.as_dict() if iv else None
+    if "eval/pass@1" in passes:
+        iv = _interval([_gain(r, "eval/pass@1") for r in runs])
+        row["pass@1 gain"] = iv.as_dict() if iv else None
     gain = _interval([_gain(r) for r in runs])
     row["gain"] = gain.as_dict() if gain else None
     for key in sorted({k for r in runs for k in r["means"]}):
@@ -63,8 +74,8 @@ def arm_summary(spec: ExperimentSpec, runs: list[dict[str, Any]], reference: lis
     return row
 
 
-def _gain(run: dict[str, Any]) -> float | None:
-    a, b = run["start"].get(REWARD), run["final"].get(REWARD)
+def _gain(run: dict[str, Any], key: str = REWARD) -> float | None:
+    a, b = run["start"].get(key), run["final"].get(key)
     return None if a is None or b is None else b - a
 
 
@@ -135,7 +146,10 @@ COLUMNS = (
 def _columns(rows: list[dict[str, Any]]) -> list[str]:
     present = {k for row in rows for k in row}
     evals = sorted(k for k in present if ": " in k)  # held-out evaluations ("NAME: figure")
-    return [c for c in COLUMNS if c in present and c != "minutes"] + evals + ["minutes"]
+    passes = sorted(k for k in present if " eval/pass@" in k and k.startswith("start "))
+    passes = [c for k in passes for c in (k, k.replace("start ", "final ", 1))]
+    passes += ["pass@1 gain"] if "pass@1 gain" in present else []
+    return passes + [c for c in COLUMNS if c in present and c != "minutes"] + evals + ["minutes"]
 
 
 def _cell(value: Any, digits: int = 3) -> str:
