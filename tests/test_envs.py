@@ -190,19 +190,3 @@ def test_memory_kinds_choose_the_facts_and_bad_kinds_are_refused():
     for bad in (["colour"], [], ["number", "number"]):
         with pytest.raises(KVStreamsError, match="kinds"):
             make_env("memory", kinds=bad)
-
-
-def test_memory_expert_carries_the_facts_in_the_given_share_of_episodes():
-    def carries(seed: int, share: float | None) -> bool:
-        env = make_env("memory", n_turns=2, expert_carry_share=share)
-        env.reset(seed)
-        env.step(env.expert_reply())  # turn 1: the facts arrive
-        return "color=" in env.expert_reply().split("</state>")[0]
-
-    shares = [sum(carries(seed, share) for seed in range(400)) / 400 for share in (0.0, 0.5, 1.0)]
-    assert shares[0] == 0.0 and shares[2] == 1.0 and 0.42 < shares[1] < 0.58
-    # the episode itself (facts, noise) does not depend on whether its expert carries
-    a, b = make_env("memory", expert_carry_share=0.0), make_env("memory", expert_carry_share=1.0)
-    assert a.reset(3) == b.reset(3) and a.facts == b.facts
-    with pytest.raises(KVStreamsError, match="expert_carry_share"):
-        make_env("memory", expert_carry_share=1.5)

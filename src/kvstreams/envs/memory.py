@@ -12,9 +12,7 @@ a two-digit number a guess gets right 1 time in 90, where a colour pays 1 in 6; 
 correctly, given at the end. ``expert_reply`` carries the facts in every reply, so its demonstrations
 teach exactly that habit; with ``expert_carries_state = False`` its states are empty and only its final
 answer is right (read from the full context): demonstrations of the output format alone, for the
-experiment where RL must discover the habit (``configs/experiments/recurrence-from-rl.toml``); with
-``expert_carry_share = p`` the expert carries them in a share p of the episodes (a habit the warm start
-has half the time, say, for RL to reinforce: the demo).
+experiment where RL must discover the habit (``configs/experiments/recurrence-from-rl.toml``).
 """
 
 from __future__ import annotations
@@ -44,22 +42,13 @@ class MemoryEnv(Environment):
     noise_words: int = 24
     max_turns: int = 32
     expert_carries_state: bool = True
-    # the share of episodes whose expert carries the facts (the rest: empty states); None: all or none,
-    # as expert_carries_state says. A warm start SFT'd on a mix carries the facts in about that share
-    # of its episodes: RL has a habit to reinforce (configs/demo.toml)
-    expert_carry_share: float | None = None
     kinds: list[str] | None = None  # which facts, e.g. ["number"]; default: the first n_facts kinds
     _facts: dict[str, str] = field(default_factory=dict, init=False, repr=False)
     _turn: int = field(default=0, init=False, repr=False)
     _rng: random.Random = field(default_factory=random.Random, init=False, repr=False)
-    _carries: bool = field(default=True, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.require_at_least(n_facts=1, n_turns=1, noise_words=0, max_turns=1)
-        if self.expert_carry_share is not None and not 0.0 <= self.expert_carry_share <= 1.0:
-            raise KVStreamsError(
-                f"environment 'memory': expert_carry_share must be in [0, 1], got {self.expert_carry_share}"
-            )
         if self.kinds is not None:
             unknown = [k for k in self.kinds if k not in FACT_KINDS]
             if unknown or not self.kinds or len(set(self.kinds)) != len(self.kinds):
@@ -87,11 +76,6 @@ class MemoryEnv(Environment):
         self._rng = random.Random(seed)
         kinds = self.kinds or FACT_KINDS[: max(1, min(self.n_facts, len(FACT_KINDS)))]
         self._facts = {k: self._fact_value(k) for k in kinds}
-        share = self.expert_carry_share
-        # drawn from its own stream: the episode (facts, noise) is the same whoever plays it
-        self._carries = (
-            self.expert_carries_state if share is None else random.Random(-seed - 1).random() < share
-        )
         self._turn = 0
         return [
             {
@@ -129,7 +113,7 @@ class MemoryEnv(Environment):
     def expert_reply(self) -> str:
         if self._turn == 0:  # nothing to remember yet
             return "<state></state><action>ok</action>"
-        state = self.state_text() if self._carries else ""
+        state = self.state_text() if self.expert_carries_state else ""
         if self._turn >= self.n_turns:
             return f"<state>{state}</state><action>{self.state_text()}</action>"
         return f"<state>{state}</state><action>ok</action>"
