@@ -60,6 +60,10 @@ def arm_summary(spec: ExperimentSpec, runs: list[dict[str, Any]], reference: lis
     for key in sorted({k for r in runs for k in r["means"]}):
         iv = _interval([r["means"].get(key) for r in runs])
         row[key] = iv.as_dict() if iv else None
+    for key in MAX_KEYS:  # a mean of per-step maxima hides the worst step: give that too
+        values = [step[key] for r in runs for step in r.get("steps", []) if key in step]
+        if values:
+            row[f"{key} {MAX_OVER}"] = max(values)
     row["minutes"] = mean_interval([r["seconds"] / 60 for r in runs]).as_dict()
     for name in sorted({k for r in runs for k in r["evals"]}):
         for key in sorted({k for r in runs for k in r["evals"].get(name, {})}):
@@ -121,6 +125,8 @@ def summarise(spec: ExperimentSpec, arms: list[Arm], results: list[dict[str, Any
 
 
 # The table's columns, in order, when present (everything is in results.json).
+MAX_OVER = "(max over steps and seeds)"
+MAX_KEYS = ("mismatch/abs_logprob_diff_max", "kv/peak_entries")  # also reported as their largest value
 COLUMNS = (
     f"final {REWARD}",
     "final eval/reward_greedy",
@@ -135,8 +141,10 @@ COLUMNS = (
     "tokens forwarded / reference",
     "mismatch/k3_kl",
     "mismatch/abs_logprob_diff_max",
+    f"mismatch/abs_logprob_diff_max {MAX_OVER}",
     "correction/discarded_seq_frac",
     "kv/saving",
+    f"kv/peak_entries {MAX_OVER}",
     "loss/distill",
     "entropy/mean",
     "minutes",
@@ -159,12 +167,22 @@ def _cell(value: Any, digits: int = 3) -> str:
         mean, half = value["mean"], value["half_width"]
         fmt = ".2e" if 0 < abs(mean) < 1e-2 else f".{digits}f"
         return f"{mean:{fmt}}" + ("" if half is None else f" ± {half:{fmt}}")
+    if isinstance(value, float):
+        return f"{value:.3g}"
     return str(value)
+
+
+FIGURES = (
+    "Figures: mean ± 95% t-interval over seeds (paired by seed). A per-step metric (mismatch/, "
+    "correction/, kv/, loss/, grad/, entropy/) is first averaged over each run's steps, so its column is "
+    "the mean over seeds of that run mean (for a `..._max` metric: of the per-step maxima); a column "
+    f"marked {MAX_OVER} is the single largest value logged at any step of any seed."
+)
 
 
 def markdown(spec: ExperimentSpec, arms: list[Arm], summary: dict[str, Any], command: str) -> str:
     lines = [f"# {spec.title}", "", f"Reproduces: {spec.source}", "", f"Question: {spec.question}", ""]
-    lines += [f"Command: `{command}`", "", "Figures: mean ± 95% t-interval over seeds (paired by seed).", ""]
+    lines += [f"Command: `{command}`", "", FIGURES, ""]
     for group in spec.groups(arms):
         members = [a for a in arms if group in a.groups and a.name in summary]
         if not members:
