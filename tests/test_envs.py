@@ -190,3 +190,20 @@ def test_memory_kinds_choose_the_facts_and_bad_kinds_are_refused():
     for bad in (["colour"], [], ["number", "number"]):
         with pytest.raises(KVStreamsError, match="kinds"):
             make_env("memory", kinds=bad)
+
+
+def test_recall_with_many_codes_pays_each_code_at_its_place():
+    env = make_env("recall", n_filler=1, n_codes=10)
+    prompt = env.reset(3)[0]["content"]
+    codes = env._codes
+    assert len(set(codes)) > 1 and all(f"code {i} is {c}." in prompt for i, c in enumerate(codes, 1))
+    expert = env.expert_reply()
+    assert env.step(expert).reward == 1.0
+    # the first three right, then one missing: the rest are out of place and earn nothing
+    partial = " ".join(f"code {i} is {c}." for i, c in enumerate(codes[:3] + codes[4:], 1))
+    assert env.step(partial).reward == pytest.approx(0.3)
+    assert env.step("I do not know.").reward == 0.0
+    assert make_env("recall", n_filler=1, n_codes=10).reset(3) == env.reset(3)  # seeded
+    one = make_env("recall", n_filler=1)  # the one-code task is as it was
+    one.reset(3)
+    assert one.step(one.expert_reply()).reward == 1.0 and "Remember this:" in one.reset(3)[0]["content"]

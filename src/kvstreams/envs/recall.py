@@ -11,6 +11,15 @@ under context the sampler never had.
 
 Reward 1 when the reply's first four-digit number is the code. Defaults: 16 filler sentences
 (prompts of about 200 tokens with SmolLM2's chat template).
+
+``n_codes > 1`` is the long-reply variant: ``n_codes`` numbered codes, each followed by
+``n_filler`` filler sentences, and the reply must list every one ("code 1 is 4821. code 2 is ...",
+about 13 tokens a code with the tiny models' tokenizer: 10 codes make a reply of ~130 tokens). The
+reward is the share of codes given at their place in the reply (partial credit per fact, as the
+RL-learns issue suggests for tasks with headroom). The reply's correctness depends on the prompt until
+its last token, so what a KV policy drops *while decoding* (SnapKV's rounds every ``interval``
+decode steps) matters, where the one-code task's 15-token reply is over before a round fires: the
+setting SMD's long rollouts have and ``smd-table`` lacks.
 """
 
 from __future__ import annotations
@@ -44,14 +53,18 @@ class RecallEnv(Environment):
     single_turn: ClassVar[bool] = True
 
     n_filler: int = 16
+    n_codes: int = 1
     max_turns: int = 1
     _code: int = field(default=0, init=False, repr=False)
+    _codes: list[int] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.require_at_least(n_filler=0)
+        self.require_at_least(n_filler=0, n_codes=1)
 
     def reset(self, seed: int) -> list[Message]:
         rng = random.Random(seed)
+        if self.n_codes > 1:
+            return self._reset_many(rng)
         self._code = rng.randrange(1000, 10000)
         filler = " ".join(rng.choice(FILLER) for _ in range(self.n_filler))
         text = (
@@ -60,10 +73,25 @@ class RecallEnv(Environment):
         )
         return [{"role": "user", "content": text}]
 
+    def _reset_many(self, rng: random.Random) -> list[Message]:
+        self._codes = [rng.randrange(1000, 10000) for _ in range(self.n_codes)]
+        parts = ["Remember these codes."]
+        for i, code in enumerate(self._codes, 1):
+            parts.append(f"code {i} is {code}.")
+            parts.extend(rng.choice(FILLER) for _ in range(self.n_filler))
+        parts.append("What are the codes? List every code in order.")
+        return [{"role": "user", "content": " ".join(parts)}]
+
     def step(self, reply: str) -> StepResult:
+        if self.n_codes > 1:  # the share of codes given at their place
+            got = [int(x) for x in _CODE.findall(reply)]
+            right = sum(g == c for g, c in zip(got, self._codes, strict=False))
+            return StepResult([], right / self.n_codes, True, {"expected": self._codes, "got": got})
         found = _CODE.search(reply)
         got = int(found.group()) if found else None
         return StepResult([], float(got == self._code), True, {"expected": self._code, "got": got})
 
     def expert_reply(self) -> str:
+        if self.n_codes > 1:
+            return " ".join(f"code {i} is {c}." for i, c in enumerate(self._codes, 1))
         return f"The secret code is {self._code}."
