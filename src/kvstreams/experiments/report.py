@@ -44,6 +44,8 @@ def arm_summary(spec: ExperimentSpec, runs: list[dict[str, Any]], reference: lis
     for key in (REWARD, "eval/reward_greedy"):
         iv = _interval([r["final"].get(key) for r in runs])
         row[f"final {key}"] = iv.as_dict() if iv else None
+    start = _interval([r["start"].get(REWARD) for r in runs])
+    row[f"start {REWARD}"] = start.as_dict() if start else None
     # pass@1 and pass@k (runs with eval.samples > 1) before and after training, and the pass@1 gain
     passes = sorted(
         {k for r in runs for k in r["final"] if k.startswith("eval/pass@") and not k.endswith("_ci")}
@@ -128,6 +130,7 @@ def summarise(spec: ExperimentSpec, arms: list[Arm], results: list[dict[str, Any
 MAX_OVER = "(max over steps and seeds)"
 MAX_KEYS = ("mismatch/abs_logprob_diff_max", "kv/peak_entries")  # also reported as their largest value
 COLUMNS = (
+    f"start {REWARD}",
     f"final {REWARD}",
     "final eval/reward_greedy",
     "gain",
@@ -140,6 +143,9 @@ COLUMNS = (
     "train seconds / reference",
     "tokens forwarded / reference",
     "mismatch/k3_kl",
+    "mismatch/ess",
+    "clip/frac",
+    "rollout/zero_variance_group_frac",
     "mismatch/abs_logprob_diff_max",
     f"mismatch/abs_logprob_diff_max {MAX_OVER}",
     "correction/discarded_seq_frac",
@@ -151,9 +157,13 @@ COLUMNS = (
 )
 
 
+_EVAL_DETAILS = ("_ci", "samples_per_task", "tasks")
+
+
 def _columns(rows: list[dict[str, Any]]) -> list[str]:
     present = {k for row in rows for k in row}
-    evals = sorted(k for k in present if ": " in k)  # held-out evaluations ("NAME: figure")
+    # held-out evaluations ("NAME: figure"), without each single eval's own interval and sizes
+    evals = sorted(k for k in present if ": " in k and not k.endswith(_EVAL_DETAILS))
     passes = sorted(k for k in present if " eval/pass@" in k and k.startswith("start "))
     passes = [c for k in passes for c in (k, k.replace("start ", "final ", 1))]
     passes += ["pass@1 gain"] if "pass@1 gain" in present else []
