@@ -25,7 +25,7 @@ $(DEMO)/models/tiny-llama/config.json: | $(STAMP)
 	$(BIN)/kvstreams tiny-model --arch llama --out $(DEMO)/models/tiny-llama
 
 $(DEMO)/models/tiny-qwen3-sft/config.json: $(DEMO)/models/tiny-qwen3/config.json configs/demo.toml
-	$(BIN)/kvstreams sft --config configs/demo.toml
+	$(BIN)/kvstreams sft --config configs/demo.toml --force
 
 # The main job: SFT warm start (cached once made) of the tiny qwen3 model on `memory`, then
 # synchronous GRPO with stream compaction and the shadow track, on CPU.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -184,6 +185,51 @@ def test_smd_table_quick_runs_resumes_and_reports(tmp_path, monkeypatch, capsys)
     monkeypatch.setattr(sft, "sft", lambda *a, **k: pytest.fail("the warm start was redone"))
     assert main(["experiment", "smd-table", "--quick", "--out", str(out)]) == 0
     assert json.loads((out / "results.json").read_text())["runs"] == payload["runs"]
+
+
+def test_smd_long_quick_evaluates_dense_and_measures_the_weights(tmp_path):
+    out = tmp_path / "long"
+    assert main(["experiment", "smd-long", "--quick", "--out", str(out)]) == 0
+    runs = {r["arm"]: r for r in json.loads((out / "results.json").read_text())["runs"]}
+    # the dense evaluation serves the trained weights without compression: nothing is evicted there
+    for run in runs.values():
+        assert run["evals"]["dense"]["eval/tasks"] == 2 and "eval/reward_mean" in run["evals"]["dense"]
+        assert run["means"]["kv/saving"] > 0.05  # while training, SnapKV dropped entries
+    # the shadow learner's importance weights are all 1 (ESS 1); the dense learner's are not
+    assert runs["shadow"]["means"]["mismatch/ess"] == pytest.approx(1.0, abs=1e-9)
+    assert runs["naive"]["means"]["mismatch/ess"] < 1 - 1e-4
+    # two updates per batch: the ratio is measured on each, the clip fraction is logged
+    assert all("clip/frac" in row for row in runs["naive"]["steps"] if row["step"] > 0)
+    table = (out / "results.md").read_text()
+    assert "dense: eval/reward_mean" in table and "mismatch/ess" in table and "dense: eval/tasks" not in table
+
+
+def test_restore_lays_stored_runs_in_and_runs_only_the_missing_ones(tmp_path, monkeypatch):
+    import gzip
+
+    import kvstreams.train.loop as loop
+
+    first = tmp_path / "first"
+    assert main(["experiment", "smd-table", "--quick", "--out", str(first)]) == 0
+    payload = json.loads((first / "results.json").read_text())
+    stored = tmp_path / "stored.json.gz"
+    kept = {**payload, "runs": [r for r in payload["runs"] if r["arm"] == "shadow"]}
+    stored.write_bytes(gzip.compress(json.dumps(kept).encode()))
+    trained = []
+    real_train = loop.train
+    monkeypatch.setattr(
+        loop, "train", lambda cfg, **k: trained.append(cfg.train.out_dir) or real_train(cfg, **k)
+    )
+    second = tmp_path / "second"
+    assert main(["experiment", "smd-table", "--quick", "--out", str(second), "--restore", str(stored)]) == 0
+    assert [Path(d).parent.name for d in trained] == ["naive"]  # the stored shadow run is not redone
+    runs = {r["arm"]: r for r in json.loads((second / "results.json").read_text())["runs"]}
+    assert runs["shadow"]["final"] == kept["runs"][0]["final"]
+    assert runs["shadow"]["steps"] == kept["runs"][0]["steps"]
+    assert (
+        main(["experiment", "smd-table", "--quick", "--out", str(tmp_path / "x"), "--restore", str(first)])
+        == 2
+    )
 
 
 # --- is-variance ----------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from kvstreams.atomic import sha256
 from kvstreams.errors import KVStreamsError
 from kvstreams.train.checkpoint import checkpoint_problem
 from kvstreams.train.loop import train
@@ -89,7 +90,10 @@ def test_checkpoint_problems_name_what_is_wrong(two_steps, tmp_path):
     _flip_byte(c / "model.safetensors")
     assert checkpoint_problem(c) == "model.safetensors does not match its checksum"
     (c / "checksums.json").unlink()
+    assert checkpoint_problem(c).startswith("no checksums.json")
     (c / "state.json").write_text(json.dumps({"step": "x"}))
+    sums = {f.name: sha256(f) for f in c.iterdir()}
+    (c / "checksums.json").write_text(json.dumps(sums))  # digests that match: the step is still invalid
     assert "invalid step 'x'" in checkpoint_problem(c)
     f = root / "run" / "checkpoints" / "step-000009"
     f.write_text("a file where a checkpoint directory should be")

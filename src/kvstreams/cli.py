@@ -298,6 +298,7 @@ def _add_training_commands(sub) -> None:
     p = sub.add_parser("sft", help="warm-start a model on an environment's expert demonstrations")
     p.add_argument("--config", default=None)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--force", action="store_true", help="overwrite a model already in sft.out")
 
     p = sub.add_parser("config", help="configuration tools")
     p.add_argument("action", choices=["show"])
@@ -347,6 +348,13 @@ def _add_measuring_commands(sub) -> None:
     p.add_argument("--quick", action="store_true", help="tiny settings that finish in minutes (CI)")
     p.add_argument("--seeds", type=_positive(int), default=None, help="seeds per arm (default: the spec's)")
     p.add_argument("--out", default=None, help="default: runs/experiments/NAME[-quick]; reruns resume")
+    p.add_argument(
+        "--restore",
+        default=None,
+        metavar="RESULTS",
+        help="first lay the finished runs of a stored results.json(.gz) (e.g. docs/results/NAME/) into "
+        "--out: they are not run again, the missing ones are",
+    )
     p.add_argument(
         "--set",
         action="append",
@@ -824,6 +832,11 @@ def cmd_experiment(args) -> int:
     spec = experiments.load_spec(args.name, overrides)
     out = Path(args.out) if args.out else experiments.default_out(spec, args.quick)
     _check_out(out)
+    if args.restore:
+        from kvstreams.experiments.runner import restore_runs
+
+        n = restore_runs(Path(args.restore), out)
+        print(f"restored {n} finished runs from {args.restore} into {out}", file=sys.stderr)
     _quiet_transformers()
     command = f"kvstreams experiment {args.name}" + " --quick" * args.quick
     command += f" --seeds {args.seeds}" if args.seeds else ""
@@ -846,7 +859,7 @@ def cmd_sft(args) -> int:
 
     cfg = load_config(args.config, args.set)
     _quiet_transformers()
-    summary = sft(cfg)
+    summary = sft(cfg, force=args.force)
     print(
         f"sft: {summary['demonstrations']} demonstrations, loss {summary['loss_first']:.3f} -> "
         f"{summary['loss_last']:.3f}, model written to {summary['out']}"

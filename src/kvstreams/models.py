@@ -71,6 +71,20 @@ def _check_config(config: object, config_file: Path) -> None:
         )
 
 
+def _check_weights(path: Path, model: torch.nn.Module, info: dict) -> None:
+    """Every weight read from the directory and finite: transformers would initialise a missing tensor
+    at random (and drop an unexpected one) with a warning kvstreams silences, so a model with a
+    hole would train without a word."""
+    for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+        names = sorted(str(k) for k in (info.get(kind) or []))
+        if names:
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            raise KVStreamsError(f"{path}: {kind.replace('_keys', '')} weights in model.safetensors: {shown}")
+    bad = next((n for n, p in model.named_parameters() if not torch.isfinite(p).all()), None)
+    if bad is not None:
+        raise KVStreamsError(f"{path}: non-finite (NaN or inf) weights in {bad}")
+
+
 def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu"):
     """Load a local causal LM and its tokenizer, with kvstreams' attention function installed.
 
@@ -109,13 +123,18 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu
         raise KVStreamsError(f"device {device!r} requested but no CUDA device is available")
     install()
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, local_files_only=True, dtype=_dtype(dtype), attn_implementation="kvstreams"
+        model, info = AutoModelForCausalLM.from_pretrained(
+            path,
+            local_files_only=True,
+            dtype=_dtype(dtype),
+            attn_implementation="kvstreams",
+            output_loading_info=True,
         )
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as err:  # transformers and safetensors raise many kinds for a broken directory
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise KVStreamsError(f"cannot load model from {path}: {type(err).__name__}: {first_line}") from None
+    _check_weights(path, model, info)
     if len(tokenizer) > model.config.vocab_size:
         raise KVStreamsError(
             f"{path}: the tokenizer has {len(tokenizer)} tokens but the model's vocabulary only "

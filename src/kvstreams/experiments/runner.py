@@ -8,6 +8,7 @@ before the other arms, so an experiment stopped early still holds its main compa
 
 from __future__ import annotations
 
+import gzip
 import json
 import sys
 import time
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstreams.atomic import claim, release, write_json
+from kvstreams.errors import KVStreamsError
 from kvstreams.experiments.spec import Arm, ExperimentSpec
 from kvstreams.train.checkpoint import latest_checkpoint
 from kvstreams.train.metrics import read_metrics
@@ -75,7 +77,7 @@ def _make_warm_start(spec: ExperimentSpec, ws, seed: int, out: Path, quick: bool
         cfg.sft.steps = spec.quick.sft_steps
     if ws.env_args is not None:
         cfg.rollout.env_args = dict(ws.env_args)
-    summary = sft(cfg, show_progress=False)
+    summary = sft(cfg, show_progress=False, force=True)  # this directory is the runner's own
     stop = summary["stopped_at_reward"]
     at = (
         f", stopped at step {stop['step']} (validation reward {stop['validation_reward']:.3f})"
@@ -203,6 +205,38 @@ def run_experiment(
             time.sleep(5)
     runs = [out / "runs" / arm.name / f"seed-{seed}" for arm, seed in plan]
     return [load_result(r) for r in runs if (r / "result.json").is_file()]
+
+
+def restore_runs(results: Path, out: Path) -> int:
+    """Lay the finished runs of a stored report (``results.json`` or ``.json.gz``, e.g. the copy kept in
+    ``docs/results/NAME/``) into ``out`` as if they had run there: ``result.json`` and ``metrics.jsonl``
+    per run, so the experiment goes on with the runs still missing and reports all of them. A run
+    already in ``out`` is left as it is. Returns how many were restored (every rung's, for a ladder)."""
+    opener = gzip.open if results.suffix == ".gz" else open
+    try:
+        with opener(results, "rt") as f:
+            payload = json.load(f)
+    except (OSError, ValueError, EOFError) as err:
+        raise KVStreamsError(f"--restore {str(results)!r}: cannot read it ({err})") from None
+    if not isinstance(payload, dict) or not ("runs" in payload or "rungs" in payload):
+        raise KVStreamsError(f"--restore {str(results)!r} is not an experiment's results.json")
+    if "rungs" in payload:
+        return sum(_restore(p, out / name) for name, p in payload["rungs"].items())
+    return _restore(payload, out)
+
+
+def _restore(payload: dict[str, Any], out: Path) -> int:
+    restored = 0
+    for run in payload.get("runs", []):
+        run_dir = out / "runs" / run["arm"] / f"seed-{run['seed']}"
+        if (run_dir / "result.json").is_file():
+            continue
+        run_dir.mkdir(parents=True, exist_ok=True)
+        steps = run.get("steps", [])
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in steps))
+        write_json(run_dir / "result.json", {k: v for k, v in run.items() if k != "steps"})
+        restored += 1
+    return restored
 
 
 def load_result(run_dir: Path) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -25,6 +26,8 @@ from kvstreams.errors import KVStreamsError
 
 PREFIX = "step-"
 CHECKSUMS = "checksums.json"
+FILES = ("model.safetensors", "optimizer.safetensors", "rng.safetensors", "state.json")  # all digested
+_NAME = re.compile(rf"{PREFIX}\d{{6}}")
 
 
 def _flatten_optimizer(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -86,9 +89,21 @@ def save_checkpoint(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    for old in sorted(out.glob(f"{PREFIX}*"))[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+    _prune(out, final, keep_last)
     return final
+
+
+def _prune(out: Path, newest: Path, keep_last: int) -> None:
+    """Delete this run's readable checkpoints older than the ``keep_last`` newest (``newest``, just
+    written, always among them). Anything else named ``step-*`` (an empty directory, a file, a corrupt
+    checkpoint kept for diagnosis) is not ours to delete, and must not count towards ``keep_last``."""
+    older = sorted(
+        p
+        for p in out.iterdir()
+        if _NAME.fullmatch(p.name) and p.name < newest.name and checkpoint_problem(p) is None
+    )
+    for old in older[: max(0, len(older) - (keep_last - 1))]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _jsonable(value: Any) -> Any:
@@ -104,22 +119,28 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
 
 def checkpoint_problem(path: Path) -> str | None:
     """Why the checkpoint directory ``path`` cannot be trusted, or None. Checks the digests written
-    with it (a bit flip or a truncated file), then ``state.json``'s step against the directory name.
-    Checkpoints written before digests existed are checked by loading only."""
+    with it (a bit flip or a truncated file) -- every file of a checkpoint must be covered, so a
+    deleted, emptied or edited ``checksums.json`` is a problem too -- then ``state.json``'s step
+    against the directory name. Finite weights are checked when it loads (:func:`load_checkpoint`)."""
     if not path.is_dir():
         return "not a directory"
-    sums = path / CHECKSUMS
-    if sums.exists():
-        try:
-            expected = json.loads(sums.read_text())
-        except (OSError, ValueError):
-            return f"{CHECKSUMS} is unreadable"
-        for name, digest in expected.items():
-            f = path / name
-            if not f.is_file():
-                return f"{name} is missing"
-            if sha256(f) != digest:
-                return f"{name} does not match its checksum"
+    try:
+        expected = json.loads((path / CHECKSUMS).read_text())
+    except FileNotFoundError:
+        return f"no {CHECKSUMS} (a checkpoint without digests is not trusted)"
+    except (OSError, ValueError):
+        return f"{CHECKSUMS} is unreadable"
+    if not isinstance(expected, dict) or not all(isinstance(v, str) for v in expected.values()):
+        return f"{CHECKSUMS} is not a map of file names to digests"
+    uncovered = [name for name in FILES if name not in expected]
+    if uncovered:
+        return f"{CHECKSUMS} does not cover {', '.join(uncovered)}"
+    for name, digest in expected.items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if sha256(f) != digest:
+            return f"{name} does not match its checksum"
     try:
         step = json.loads((path / "state.json").read_text())["step"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -161,6 +182,9 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler) -> dict[str, 
     try:
         state = json.loads((path / "state.json").read_text())
         load_model(model, str(path / "model.safetensors"), strict=True)
+        bad = next((n for n, p in model.named_parameters() if not torch.isfinite(p).all()), None)
+        if bad is not None:
+            raise ValueError(f"non-finite weights in {bad}")
         optimizer.load_state_dict(
             _unflatten_optimizer(load_file(str(path / "optimizer.safetensors")), state["optimizer"])
         )

@@ -67,8 +67,18 @@ def validation_reward(model, tokenizer, cfg: Config) -> float:
     return evaluate(source, cfg.sft.check_episodes, samples=1, greedy=False)["eval/reward_mean"]
 
 
-def sft(cfg: Config, show_progress: bool = True) -> dict[str, Any]:
+def check_output(base: Path, out: Path, force: bool) -> None:
+    """Refuse, before any compute, an ``sft.out`` that would destroy a model: the base itself (never,
+    even with ``force``: training reads it) or any directory already holding one (unless ``force``)."""
+    if out.resolve() == base.resolve():
+        raise KVStreamsError(f"sft.out is sft.base ({str(base)!r}): the SFT model would replace its base")
+    if (out / "config.json").exists() and not force:
+        raise KVStreamsError(f"sft.out {str(out)!r} already holds a model; pass --force to overwrite it")
+
+
+def sft(cfg: Config, show_progress: bool = True, force: bool = False) -> dict[str, Any]:
     s, r = cfg.sft, cfg.rollout
+    check_output(Path(s.base), Path(s.out), force)
     ensure_writable(Path(s.out), "sft.out")
     model, tokenizer = load_model(s.base, dtype="float32", device=cfg.model.device)
     demos = demonstrations(tokenizer, r.env, r.env_args, s.episodes, s.seed)
