@@ -371,14 +371,14 @@ def test_a_run_held_by_a_live_process_is_left_to_it_and_a_dead_holders_run_is_ta
 
     from kvstreams.atomic import LOCK, claim, release
 
-    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
+    hold = "import sys, time; from pathlib import Path; from kvstreams.atomic import claim; "
+    hold += "claim(Path(sys.argv[1])); print('held', flush=True); time.sleep(float(sys.argv[2]))"
+    held, orphan, fresh = tmp_path / "held", tmp_path / "orphan", tmp_path / "fresh"
+    live = subprocess.Popen([sys.executable, "-c", hold, str(held), "30"], stdout=subprocess.PIPE, text=True)
+    dead = subprocess.Popen([sys.executable, "-c", hold, str(orphan), "0"], stdout=subprocess.PIPE, text=True)
+    dead.wait()  # it held the lock and died without releasing it (its file stays, with its pid)
     try:
-        held, orphan, fresh = tmp_path / "held", tmp_path / "orphan", tmp_path / "fresh"
-        for directory, pid in ((held, live.pid), (orphan, dead.pid)):
-            directory.mkdir()
-            (directory / LOCK).write_text(str(pid))
+        assert live.stdout.readline().strip() == "held" and (orphan / LOCK).read_text() == str(dead.pid)
         assert not claim(held)
         assert claim(orphan) and (orphan / LOCK).read_text() == str(__import__("os").getpid())
         assert claim(fresh)
@@ -386,6 +386,7 @@ def test_a_run_held_by_a_live_process_is_left_to_it_and_a_dead_holders_run_is_ta
         assert not (fresh / LOCK).exists()
     finally:
         live.kill()
+        release(orphan)
 
 
 def test_the_sanity_ladder_names_shipped_rungs_each_with_a_check():

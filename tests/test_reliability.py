@@ -157,11 +157,12 @@ def test_a_cut_off_last_metrics_line_is_dropped_with_a_warning(tmp_path, capsys)
 
 
 def test_two_runs_never_share_an_out_dir(model_dirs, tmp_path):
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    run = tmp_path / "run"
+    hold = "import sys, time; from pathlib import Path; from kvstreams.atomic import claim; "
+    hold += "claim(Path(sys.argv[1]), 'train.lock'); print('held', flush=True); time.sleep(30)"
+    sleeper = subprocess.Popen([sys.executable, "-c", hold, str(run)], stdout=subprocess.PIPE, text=True)
     try:
-        run = tmp_path / "run"
-        run.mkdir()
-        (run / "train.lock").write_text(str(sleeper.pid))
+        assert sleeper.stdout.readline().strip() == "held"
         cfg = small_config(model_dirs["qwen3"], tmp_path)
         with pytest.raises(
             KVStreamsError, match=f"in use by another kvstreams train \\(pid {sleeper.pid}\\)"

@@ -190,3 +190,70 @@ def test_a_model_whose_weights_do_not_match_is_refused_at_load(edit, message, mo
     with pytest.raises(KVStreamsError, match=message) as err:
         load_model(d)
     assert name in str(err.value) and "\n" not in str(err.value)
+
+
+# --- settings that would give a wrong result are refused when the config loads ---------------------------
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (['train.out_dir=""'], "train.out_dir"),
+        (["train.eval_seed=0"], "overlap the held-out ones"),
+        (["train.seed=1000"], "overlap the held-out ones"),  # seed * 1000 reaches eval_seed
+        (["optim.lr=1e300"], "optim.lr"),
+        ([f"train.seed={2**63 - 1}"], "train.seed"),
+        (["train.eval_seed=-5"], "train.eval_seed"),
+    ],
+)
+def test_settings_that_would_mislead_are_a_config_error(sets, message):
+    with pytest.raises(KVStreamsError, match=message):
+        load_config(None, sets)
+
+
+def test_allow_config_change_without_resume_is_refused(capsys):
+    from kvstreams import cli
+
+    assert cli.main(["train", "--allow-config-change", "--set", "train.steps=1"]) == 2
+    assert "applies to --resume only" in capsys.readouterr().err
+
+
+# --- hangs and late errors: what can be checked before compute is ----------------------------------------
+
+
+def _small_positions(model_dirs, tmp_path, n: int = 256):
+    d = _copy(model_dirs["qwen3"], tmp_path / "short")
+    config = json.loads((d / "config.json").read_text())
+    config["max_position_embeddings"] = n
+    (d / "config.json").write_text(json.dumps(config))
+    return d
+
+
+@pytest.mark.parametrize(
+    "argv", [["--max-new-tokens", "40000"], ["--prompt-len", "40000"]], ids=["new tokens", "prompt"]
+)
+def test_verify_refuses_sequences_beyond_the_models_positions_before_sampling(argv, model_dirs, capsys):
+    import time
+
+    from kvstreams import cli
+
+    start = time.perf_counter()
+    assert cli.main(["verify", "--model", model_dirs["qwen3"], "--policy", "snapkv", *argv]) == 2
+    assert "max_position_embeddings" in capsys.readouterr().err
+    assert time.perf_counter() - start < 30  # refused up front (it used to sample for minutes)
+
+
+def test_verify_refuses_a_json_path_that_is_a_directory_before_any_work(model_dirs, tmp_path, capsys):
+    from kvstreams import cli
+
+    argv = ["verify", "--model", str(tmp_path / "no-model"), "--json", str(tmp_path)]
+    assert cli.main(argv) == 2
+    assert "is a directory" in capsys.readouterr().err  # before the (missing) model is even looked at
+
+
+def test_train_refuses_a_reply_limit_beyond_the_models_positions(model_dirs, tmp_path):
+    short = _small_positions(model_dirs, tmp_path)
+    cfg = small_config(str(short), tmp_path, **{"rollout.max_reply_tokens": "300"})
+    with pytest.raises(KVStreamsError, match=r"rollout.max_reply_tokens = 300 reaches"):
+        train(cfg, show_progress=False)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing was sampled

@@ -158,3 +158,70 @@ def test_traces_that_do_not_fit_the_model_are_refused_at_replay(qwen, edit, mess
     edit(trace)
     with pytest.raises(TraceFormatError, match=message):
         replay_logprobs(model, [trace])
+
+
+# --- a digest of the payload: a flipped byte that stays in range is caught ------------------------------
+
+
+def _flip_death_byte(path: Path) -> None:
+    """Lower one ``death`` value by one inside the file: still a valid record, another visibility."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+        death = f.get_tensor("death")
+    data = bytearray(path.read_bytes())
+    needle = death.numpy().tobytes()
+    at = bytes(data).index(needle)
+    j = int((death[0, 0] > torch.arange(death.shape[-1]) + 1).nonzero()[0])  # an entry that can die earlier
+    offset = at + 4 * j  # int32, [0, 0, j]
+    value = int.from_bytes(data[offset : offset + 4], "little") - 1
+    data[offset : offset + 4] = value.to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    assert meta is not None
+
+
+def test_a_trace_carries_a_digest_and_an_altered_payload_is_refused(tmp_path):
+    path = make_trace().save(tmp_path / "t.safetensors")
+    assert Trace.load(path).metadata.get("digest") is None  # checked and set aside, not part of the record
+    _flip_death_byte(path)
+    with pytest.raises(TraceFormatError, match="digest"):
+        Trace.load(path)
+
+
+def test_altered_metadata_is_refused_too(tmp_path):
+    import json
+
+    path = make_trace().save(tmp_path / "t.safetensors")
+    data = path.read_bytes()
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + size])
+    header["__metadata__"]["temperature"] = "0.5"
+    raw = json.dumps(header, separators=(",", ":")).encode().ljust(size)
+    assert len(raw) == size
+    path.write_bytes(data[:8] + raw + data[8 + size :])
+    with pytest.raises(TraceFormatError, match="digest"):
+        Trace.load(path)
+
+
+def test_a_trace_written_before_digests_loads_with_a_warning(tmp_path):
+    trace = make_trace()
+    save_file(trace.tensors(), str(tmp_path / "old.safetensors"), metadata=trace.metadata)
+    with pytest.warns(UserWarning, match="no digest"):
+        loaded = Trace.load(tmp_path / "old.safetensors")
+    assert torch.equal(loaded.death, trace.death)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda t: t.positions.__setitem__(slice(2, 4), torch.tensor([3, 2])), "positions"),
+        (lambda t: t.positions.zero_(), "positions"),
+        (lambda t: t.metadata.__setitem__("mode", "streaming"), "mode 'streaming'"),
+    ],
+)
+def test_stream_positions_and_the_mode_are_checked(edit, message, tmp_path):
+    trace = make_trace()
+    edit(trace)
+    with pytest.raises(TraceFormatError, match=message):
+        trace.save(tmp_path / "t.safetensors")

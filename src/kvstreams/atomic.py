@@ -3,9 +3,11 @@ directory locks (one process at a time in a run directory)."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -54,45 +56,56 @@ def write_json(path: str | Path, data: object) -> Path:
 
 
 LOCK = "running.lock"
+_HELD: dict[Path, int] = {}  # lock path -> the open descriptor whose flock this process holds
 
 
 def claim(directory: Path, name: str = LOCK) -> bool:
-    """Take ``directory`` for this process (a lock file ``name`` holding its pid); False when another
-    live process holds it. A lock left by a dead process is taken over."""
+    """Take ``directory`` for this process; False when another live process holds it.
+
+    The lock is an exclusive ``flock`` on ``directory/name``, held for as long as this process keeps
+    the file open: the kernel releases it when the holder dies (``kill -9`` included), so a dead
+    run's lock is free whatever the file says (empty, garbage, a recycled pid) and no process ever
+    has to decide that a lock is stale and delete it -- the step that let two restarts both win.
+    The file holds the holder's pid, for messages only."""
     directory.mkdir(parents=True, exist_ok=True)
-    lock = directory / name
-    for _ in range(2):
-        try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            if _alive(lock):
-                return False
-            lock.unlink(missing_ok=True)  # its holder died: take the run over
-            continue
-        with os.fdopen(fd, "w") as f:
-            f.write(str(os.getpid()))
+    lock = (directory / name).absolute()
+    if lock in _HELD:
         return True
-    return False
+    while True:
+        fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        try:  # the file we locked must still be the one at this path (a holder may have released it)
+            same = os.fstat(fd).st_ino == os.stat(lock).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    os.ftruncate(fd, 0)
+    os.write(fd, str(os.getpid()).encode())
+    _HELD[lock] = fd
+    return True
 
 
 def release(directory: Path, name: str = LOCK) -> None:
+    """Give the lock up: remove the file while still holding it, then close. Never raises: an error
+    here (a filesystem turned read-only) is one line, and must not replace the error a run ends with."""
+    lock = (directory / name).absolute()
+    try:
+        _unlink(directory, name)
+    except OSError as err:
+        print(f"kvstreams: could not remove the lock {lock} ({err.strerror or err})", file=sys.stderr)
+    fd = _HELD.pop(lock, None)
+    if fd is not None:
+        os.close(fd)  # the kernel drops the flock with the last descriptor
+
+
+def _unlink(directory: Path, name: str) -> None:
     (directory / name).unlink(missing_ok=True)
-
-
-def _alive(lock: Path) -> bool:
-    try:
-        pid = int(lock.read_text().strip() or "0")
-    except (OSError, ValueError):
-        return False
-    if pid == os.getpid():
-        return False  # our own stale lock (an earlier attempt in this process)
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def holder(directory: Path, name: str = LOCK) -> str:

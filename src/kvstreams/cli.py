@@ -538,7 +538,16 @@ def _check_out(out: Path, traces: bool = False) -> None:
 
 def _check_json(path: str | None) -> None:
     if path:
+        if Path(path).is_dir():
+            raise KVStreamsError(f"--json {path!r} is a directory; give a file path")
         ensure_writable(Path(path).parent, "--json")
+
+
+def _check_positions(model, longest: int, what: str) -> None:
+    """Refuse, before sampling, sequences longer than the model's positions (RoPE tables end there)."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and longest > limit:
+        raise KVStreamsError(f"{what} = {longest} exceeds the model's max_position_embeddings ({limit})")
 
 
 def _rollout_policy(args) -> int:
@@ -551,14 +560,11 @@ def _rollout_policy(args) -> int:
     out = Path(args.out)
     _check_out(out, traces=True)
     model, tokenizer = _load(args)
-    longest = args.prompt_len + args.max_new_tokens
-    limit = getattr(model.config, "max_position_embeddings", None)
-    if not args.env and limit is not None and longest > limit:
-        raise KVStreamsError(
-            f"--prompt-len + --max-new-tokens = {longest} exceeds the model's max_position_embeddings ({limit})"
-        )
     params = _sampling_params(args)
     envs, chat, prompts = _prompts(args, tokenizer)
+    _check_positions(
+        model, max(map(len, prompts)) + args.max_new_tokens, "the longest prompt + --max-new-tokens"
+    )
     engine = RolloutEngine(model, tokenizer, policy, model_name=str(args.model))
     start = time.perf_counter()
     n_batches = -(-len(prompts) // args.batch_size)
@@ -629,9 +635,13 @@ def cmd_verify(args) -> int:
     params = _sampling_params(args)
     prompts = None
     if strategies:
+        _check_positions(model, args.max_new_tokens, "--max-new-tokens")
         checks = _check_strategies(args, model, tokenizer, subjects, params)
     else:
         _, _, prompts = _prompts(args, tokenizer)
+        _check_positions(
+            model, max(map(len, prompts)) + args.max_new_tokens, "the longest prompt + --max-new-tokens"
+        )
         checks = _check_policies(args, model, tokenizer, subjects, prompts, params)
     floor = _verify_floor(args, model, tokenizer, params, prompts, checks) if args.floor else None
     reports = [check.report for check in checks]
@@ -781,6 +791,10 @@ def cmd_train(args) -> int:
     from kvstreams.train.config import load_config
     from kvstreams.train.loop import train
 
+    if args.allow_config_change and not args.resume:
+        raise KVStreamsError(
+            "--allow-config-change applies to --resume only (a fresh run has no config to change)"
+        )
     cfg = load_config(args.config, args.set)
     _quiet_transformers()
     summary = train(cfg, resume=args.resume, allow_config_change=args.allow_config_change)

@@ -31,7 +31,13 @@ from kvstreams.compaction import Bridge, CompactionStrategy, Reason, UnitKind, U
 from kvstreams.cost import RolloutCost, rollout_cost
 from kvstreams.engine.sampling import SamplingParams, sample
 from kvstreams.engine.stream import StreamSession
-from kvstreams.envs.base import Environment
+from kvstreams.envs.base import (
+    Environment,
+    EnvironmentOutputError,
+    check_episode_reward,
+    checked_messages,
+    checked_reward,
+)
 from kvstreams.errors import KVStreamsError
 from kvstreams.trace import Trace
 
@@ -191,7 +197,7 @@ class EpisodeRunner:
     def _reset(self, ep: Episode) -> None:
         """Start an episode: its environment's opening messages become the protected head."""
         try:
-            messages = ep.env.reset(ep.seed)
+            messages = checked_messages(ep.env.reset(ep.seed), "reset")
         except Exception as err:  # an environment failing must not take the batch down
             ep.error = f"seed {ep.seed}: reset raised {type(err).__name__}: {err}"
             self._finish(ep, reason=f"reset raised {type(err).__name__}: {err}")
@@ -304,13 +310,24 @@ class EpisodeRunner:
         """Hand the reply to the environment; its answer's messages, or None when the episode ended."""
         assert self.session is not None
         text = self.chat.decode([t for t in ep.reply if t != self.chat.end_of_turn])
-        try:
+        try:  # what the environment returns is checked inside the guard: a bad answer drops the episode
             messages, reward, done, info = ep.env.step(text)
+            reward = checked_reward(reward)
+            check_episode_reward(ep.env, ep.reward + reward)
+            if not done:
+                checked_messages(messages, "step")
+            if not isinstance(info, dict):
+                raise EnvironmentOutputError(f"step returned info {info!r}, not a dict")
         except Exception as err:
-            ep.error = f"seed {ep.seed}: step raised {type(err).__name__}: {err}"
-            self._finish(ep, reason=f"step raised {type(err).__name__}: {err}", failed=True)
+            what = (
+                str(err)
+                if isinstance(err, EnvironmentOutputError)
+                else f"step raised {type(err).__name__}: {err}"
+            )
+            ep.error = f"seed {ep.seed}: {what}"
+            self._finish(ep, reason=what, failed=True)
             return None
-        ep.reward += float(reward)
+        ep.reward += reward
         ep.turns += 1
         ep.turns_since_compaction += 1
         ep.info.update(info)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from kvstreams.chat import ChatFormat
 from kvstreams.engine import RolloutEngine, SamplingParams
 from kvstreams.envs import Environment
+from kvstreams.envs.base import check_episode_reward, checked_messages, checked_reward
 from kvstreams.trace import Trace
 
 
@@ -21,14 +22,17 @@ def env_prompts(chat: ChatFormat, envs: Sequence[Environment], seeds: Sequence[i
     """Each environment reset with its seed: its opening messages, then the assistant header, so that
     what is sampled next is the model's reply."""
     return [
-        chat.head(env.reset(seed)) + chat.assistant_header() for env, seed in zip(envs, seeds, strict=True)
+        chat.head(checked_messages(env.reset(seed), "reset")) + chat.assistant_header()
+        for env, seed in zip(envs, seeds, strict=True)
     ]
 
 
 def reply_reward(env: Environment, chat: ChatFormat, trace: Trace) -> float:
     """The environment's reward for the reply sampled in ``trace`` (its sampled tokens, decoded)."""
     reply = trace.tokens[trace.sampled_mask].tolist()
-    return float(env.step(chat.decode(reply)).reward)
+    reward = checked_reward(env.step(chat.decode(reply)).reward)
+    check_episode_reward(env, reward)
+    return reward
 
 
 def sample_in_batches(

@@ -9,11 +9,16 @@ Saved as ONE ``.safetensors`` file; the tensor names and metadata keys below are
 - ``sampled_mask`` bool [T], ``loss_mask`` bool [T], ``sampler_logprobs`` float32 [T] (NaN where not
   sampled), optional ``weights_version`` int32 [T]
 - metadata: ``format`` = ``kvstreams-trace/1``, ``temperature``, ``policy``, ``mode``, ``model``, ...
+  and ``digest`` (``sha256-v1:<hex>`` of every tensor and every other metadata value, written by
+  :meth:`Trace.to_bytes` and checked on load: a flipped byte that leaves the record valid -- a
+  ``death`` value one step earlier replays another visibility -- is refused, not replayed).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +30,9 @@ from kvstreams.errors import TraceFormatError
 
 FORMAT = "kvstreams-trace/1"
 REQUIRED_METADATA = ("format", "temperature", "policy", "mode", "model")
+MODES = ("stream", "reprefill", "full")
+DIGEST = "digest"
+DIGEST_SCHEME = "sha256-v1"
 _DTYPES = {
     "tokens": torch.int64,
     "positions": torch.int64,
@@ -198,6 +206,12 @@ class Trace:
             raise TraceFormatError(f"trace metadata is missing {', '.join(missing)}")
         if self.metadata["format"] != FORMAT:
             raise TraceFormatError(f"trace format is {self.metadata['format']!r}, expected {FORMAT!r}")
+        mode = self.metadata["mode"]
+        if mode not in MODES:
+            raise TraceFormatError(f"trace mode {mode!r} is not one of {', '.join(MODES)}")
+        if mode == "stream" and not torch.equal(self.positions, torch.arange(len(self))):
+            # one continuous cache, eviction in place: entry j was written at position j
+            raise TraceFormatError("a stream trace's positions must be 0, 1, ..., T-1 (eviction keeps them)")
         try:
             if not 0 <= float(self.metadata["temperature"]) < float("inf"):  # nan fails too
                 raise ValueError
@@ -230,7 +244,10 @@ class Trace:
         from safetensors.torch import save
 
         self.validate()
-        return save(self.tensors(), metadata={k: str(v) for k, v in self.metadata.items()})
+        tensors = self.tensors()
+        metadata = {k: str(v) for k, v in self.metadata.items() if k != DIGEST}
+        metadata[DIGEST] = digest(tensors, metadata)
+        return save(tensors, metadata=metadata)
 
     @classmethod
     def load(cls, path: str | Path) -> Trace:
@@ -260,12 +277,33 @@ class Trace:
         for name in _DTYPES:
             if name not in tensors and name not in _OPTIONAL:
                 raise TraceFormatError(f"{where}: trace is missing tensor {name!r}")
+        stored = metadata.pop(DIGEST, None)
+        if stored is None:
+            warnings.warn(
+                f"{where}: trace has no digest (written before digests): read unchecked", stacklevel=2
+            )
+        elif stored != digest(tensors, metadata):
+            raise TraceFormatError(
+                f"{where}: the trace does not match its digest: the file was altered or corrupted"
+            )
         trace = cls(metadata=metadata, **{k: tensors.get(k) for k in _DTYPES})
         try:
             trace.validate()
         except TraceFormatError as err:
             raise TraceFormatError(f"{where}: {err}") from None
         return trace
+
+
+def digest(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
+    """``sha256-v1:<hex>`` over every tensor (name, dtype, shape, bytes) and every metadata value but the
+    digest itself, in name order: what a trace file holds, independent of how safetensors lays it out."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    h.update(json.dumps({k: v for k, v in metadata.items() if k != DIGEST}, sort_keys=True).encode())
+    return f"{DIGEST_SCHEME}:{h.hexdigest()}"
 
 
 def _metadata_of(data: bytes) -> dict[str, str]:

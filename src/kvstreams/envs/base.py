@@ -2,7 +2,10 @@
 
 An environment speaks chat messages. ``reset(seed)`` returns the opening messages (system + task:
 the protected head of the context); ``step(reply)`` takes the model's reply text and returns
-``(observation messages, reward, done, info)``. Rewards of an episode sum to a number in [0, 1].
+``(observation messages, reward, done, info)``. Rewards of an episode sum to a number in
+``reward_range`` ([0, 1] by default). What an environment returns is checked (:func:`checked_messages`,
+:func:`checked_reward`): an episode whose environment returns something else is dropped and counted
+like one whose environment raised, never trained or evaluated on.
 Adding an environment is one file::
 
     @register("my_env")
@@ -15,6 +18,8 @@ Adding an environment is one file::
 
 from __future__ import annotations
 
+import math
+import numbers
 import re
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
@@ -39,6 +44,8 @@ class Environment:
     context_budget: ClassVar[int] = 512
     #: one prompt, one reply (sampled by the rollout engine with a KV compression policy, no compaction)
     single_turn: ClassVar[bool] = False
+    #: the range an episode's rewards must sum to (an episode outside it is dropped, not trained on)
+    reward_range: ClassVar[tuple[float, float]] = (0.0, 1.0)
     #: the most replies an episode may take before it is cut off (reward 0 for what is missing)
     max_turns: int = 32
 
@@ -67,6 +74,42 @@ class Environment:
 
     def close(self) -> None:
         return None
+
+
+class EnvironmentOutputError(ValueError):
+    """An environment returned something outside its interface (its episode is dropped)."""
+
+
+def checked_messages(messages: Any, what: str) -> list[Message]:
+    """``messages`` if it is a list of chat messages (dicts with string ``role`` and ``content``)."""
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in messages
+    ):
+        shown = repr(messages)
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        raise EnvironmentOutputError(
+            f"{what} returned {shown}, not a list of messages with string 'role' and 'content'"
+        )
+    return messages
+
+
+def checked_reward(reward: Any) -> float:
+    """``reward`` as a float if it is a finite real number (bool, str, None, NaN and inf are not)."""
+    if isinstance(reward, bool) or not isinstance(reward, numbers.Real):
+        raise EnvironmentOutputError(f"step returned reward {reward!r}, not a number")
+    value = float(reward)
+    if not math.isfinite(value):
+        raise EnvironmentOutputError(f"step returned reward {value}, not a finite number")
+    return value
+
+
+def check_episode_reward(env: Environment, total: float) -> None:
+    low, high = env.reward_range
+    if not low - 1e-9 <= total <= high + 1e-9:
+        raise EnvironmentOutputError(
+            f"the episode's rewards sum to {total:g}, outside the documented range [{low:g}, {high:g}]"
+        )
 
 
 _REGISTRY: Registry[Environment] = Registry("environment")

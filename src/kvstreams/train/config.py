@@ -82,7 +82,7 @@ follow; the PPO/GRPO fields are shared (``LossBase``)."""
 
 
 class OptimSection(_Section):
-    lr: float = Field(2e-4, gt=0)
+    lr: float = Field(2e-4, gt=0, le=10.0)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
     schedule: Literal["constant", "linear", "cosine"] = "constant"
@@ -98,8 +98,8 @@ class OptimSection(_Section):
 
 class TrainSection(_Section):
     steps: int = Field(20, ge=1)
-    seed: int = 0
-    out_dir: str = "runs/train"
+    seed: int = Field(0, ge=0, lt=2**31, description="the run's seed (environment and sampling seeds follow)")
+    out_dir: str = Field("runs/train", min_length=1, description="the run directory ('' is refused)")
     eval_every: int = Field(10, ge=0)
     eval_episodes: int = Field(16, ge=1, description="held-out tasks per evaluation")
     eval_samples: int = Field(
@@ -108,7 +108,12 @@ class TrainSection(_Section):
         description="sampled episodes per held-out task: pass@1 is estimated from all of them and "
         "pass@k is reported for k = eval_samples (train/evaluation.py); plus one greedy episode per task",
     )
-    eval_seed: int = 1_000_000  # held-out seeds start here; training seeds are far below
+    eval_seed: int = Field(
+        1_000_000,
+        ge=0,
+        lt=2**31,
+        description="held-out seeds start here; the run's training seeds may not reach them (checked)",
+    )
     checkpoint_every: int = Field(1, ge=1, description="1: a crash loses at most the step in flight")
     keep_last: int = Field(2, ge=1)
     asynchronous: bool = False
@@ -257,7 +262,24 @@ class Config(_Section):
         if self.train.asynchronous and r.mode == "reprefill":
             raise ValueError("asynchronous training is implemented for stream and full modes")
         _check_cluster(self)
+        _check_seed_streams(self)
         return self
+
+
+def _check_seed_streams(cfg: Config) -> None:
+    """Training and evaluation draw disjoint tasks: the run's training environment seeds
+    (``train.seed * 1000 + step * prompts_per_step + p``, :func:`kvstreams.train.rollouts.training_plan`)
+    must stay below ``train.eval_seed`` or start after its last held-out task."""
+    t = cfg.train
+    first = t.seed * 1_000
+    last = first + t.steps * cfg.rollout.prompts_per_step - 1
+    eval_last = t.eval_seed + t.eval_episodes - 1
+    if first <= eval_last and t.eval_seed <= last:
+        raise ValueError(
+            f"train: the training tasks (seeds {first}..{last}) overlap the held-out ones (train.eval_seed "
+            f"= {t.eval_seed}..{eval_last}): evaluation would score tasks the run trained on; move "
+            "train.eval_seed above the training seeds or lower train.seed"
+        )
 
 
 def _check_cluster(cfg: Config) -> None:

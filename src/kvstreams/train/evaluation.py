@@ -20,9 +20,11 @@ effects RL had shown; 256 episodes (64 tasks x 4, or 256 x 1) bring it to about 
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from typing import Protocol
 
+from kvstreams.errors import KVStreamsError
 from kvstreams.stats import mean_interval
 from kvstreams.train.rollouts import EpisodePlan, RolloutBatch, evaluation_plan
 
@@ -68,9 +70,39 @@ def summarise(sampled: Sequence[Sequence[float]], greedy: Sequence[float] | None
 
 
 def evaluate(source: EpisodeSource, tasks: int, samples: int = 1, greedy: bool = True) -> dict[str, float]:
-    """Run ``tasks`` held-out tasks ``samples`` times each (and once greedily) and summarise."""
+    """Run ``tasks`` held-out tasks ``samples`` times each (and once greedily) and summarise.
+
+    An episode whose environment failed is not a reward of 0: a task with a failed sample is left
+    out of the sampled figures (pass@k needs all its samples), a failed greedy episode out of the
+    greedy one; ``eval/failed_episodes`` counts them and one line says so. When no task is left the
+    evaluation is an error, not a figure."""
     batch = source.run(evaluation_plan(source.cfg, tasks, greedy=False, samples=samples))
-    rewards = batch.rewards
-    sampled = [rewards[t * samples : (t + 1) * samples] for t in range(tasks)]
-    greedy_rewards = source.run(evaluation_plan(source.cfg, tasks, greedy=True)).rewards if greedy else None
-    return summarise(sampled, greedy_rewards)
+    failed = batch.failed()
+    sampled = [
+        batch.rewards[t * samples : (t + 1) * samples]
+        for t in range(tasks)
+        if not any(failed[t * samples : (t + 1) * samples])
+    ]
+    errors = [e for e in batch.errors if e]
+    greedy_rewards = None
+    if greedy:
+        greedy_batch = source.run(evaluation_plan(source.cfg, tasks, greedy=True))
+        greedy_rewards = [
+            r for r, f in zip(greedy_batch.rewards, greedy_batch.failed(), strict=True) if not f
+        ]
+        errors += [e for e in greedy_batch.errors if e]
+    episodes = tasks * samples + (tasks if greedy else 0)
+    if errors:
+        print(
+            f"kvstreams: evaluation: {len(errors)} of {episodes} episodes failed in their environment and "
+            f"are left out (first: {errors[0]})",
+            file=sys.stderr,
+            flush=True,
+        )
+    if not sampled:
+        raise KVStreamsError(
+            f"every evaluation task had an episode whose environment failed; first: {errors[0]}"
+        )
+    m = summarise(sampled, greedy_rewards or None)
+    m["eval/failed_episodes"] = float(len(errors))
+    return m

@@ -39,7 +39,7 @@ from kvstreams.train.config import Config
 from kvstreams.train.learner import Learner
 from kvstreams.train.metrics import MetricsLog
 from kvstreams.train.prepare import learner_items
-from kvstreams.train.rollouts import RolloutBatch, RolloutSource, WeightsTarget
+from kvstreams.train.rollouts import RolloutBatch, RolloutSource, WeightsTarget, single_turn
 
 TRAIN_LOCK = "train.lock"
 REPREFILL_EQUIVALENT = (
@@ -176,6 +176,20 @@ def train(
         release(out, TRAIN_LOCK)
 
 
+def _check_reply_limit(cfg: Config, model) -> None:
+    """A reply limit beyond the model's positions would fail only at replay, after a step's rollouts:
+    refuse it once the model's config is known, before any compute."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    r = cfg.rollout
+    key, value = (
+        ("max_new_tokens", r.max_new_tokens) if single_turn(cfg) else ("max_reply_tokens", r.max_reply_tokens)
+    )
+    if limit is not None and value >= limit:
+        raise KVStreamsError(
+            f"rollout.{key} = {value} reaches the model's max_position_embeddings ({limit}): no prompt fits"
+        )
+
+
 def _load(cfg: Config, resume: bool, allow_config_change: bool):
     """The model, tokenizer and learner, restored from the run's newest good checkpoint when resuming;
     returns them with the first step to run."""
@@ -191,6 +205,7 @@ def _load(cfg: Config, resume: bool, allow_config_change: bool):
             f"{out} already holds a run; pass --resume to continue it or choose another out_dir"
         )
     model, tokenizer = load_model(cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device)
+    _check_reply_limit(cfg, model)
     reference = None
     if cfg.loss.kl_coef > 0 and cfg.cluster.learner_world_size == 1:  # FSDP2 ranks load their own
         reference = load_model(

@@ -17,6 +17,7 @@ from kvstreams.compaction import make_strategy
 from kvstreams.cost import RolloutCost
 from kvstreams.engine import RolloutEngine, SamplingParams
 from kvstreams.envs import is_single_turn, make_env
+from kvstreams.envs.base import EnvironmentOutputError
 from kvstreams.episodes import EpisodeRunner
 from kvstreams.policies import make_policy
 from kvstreams.single_turn import env_prompts, reply_reward
@@ -198,7 +199,12 @@ class RolloutSource:
                 errors.append(None)
             except Exception as err:  # one environment failing must not take the batch down
                 rewards.append(0.0)
-                errors.append(f"seed {seed}: step raised {type(err).__name__}: {err}")
+                what = (
+                    str(err)
+                    if isinstance(err, EnvironmentOutputError)
+                    else f"step raised {type(err).__name__}: {err}"
+                )
+                errors.append(f"seed {seed}: {what}")
         stats = RolloutCost(
             episodes=len(traces),
             tokens_forwarded=sum(len(t) - 1 for t in traces),
