@@ -105,3 +105,14 @@ def test_an_error_while_releasing_does_not_replace_the_runs_error(model_dirs, tm
     with pytest.raises(KVStreamsError, match="the real error"):
         loop.train(small_config(model_dirs["qwen3"], tmp_path), show_progress=False)
     assert "could not remove the lock" in capsys.readouterr().err
+
+
+def test_releasing_a_lock_this_process_does_not_hold_leaves_it_to_its_holder(tmp_path):
+    p = _start(tmp_path, tmp_path / "holders", 30.0)
+    try:
+        assert p.stdout.readline().strip() == "held"
+        release(tmp_path)  # e.g. the runner finding a finished warm start another worker holds
+        assert (tmp_path / LOCK).exists() and not claim(tmp_path)
+    finally:
+        p.kill()
+        p.wait()

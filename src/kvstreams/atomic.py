@@ -95,13 +95,14 @@ def release(directory: Path, name: str = LOCK) -> None:
     """Give the lock up: remove the file while still holding it, then close. Never raises: an error
     here (a filesystem turned read-only) is one line, and must not replace the error a run ends with."""
     lock = (directory / name).absolute()
+    fd = _HELD.pop(lock, None)
+    if fd is None:
+        return  # not ours: another process's file must stay (removing it would let a third one in)
     try:
         _unlink(directory, name)
     except OSError as err:
         print(f"kvstreams: could not remove the lock {lock} ({err.strerror or err})", file=sys.stderr)
-    fd = _HELD.pop(lock, None)
-    if fd is not None:
-        os.close(fd)  # the kernel drops the flock with the last descriptor
+    os.close(fd)  # the kernel drops the flock with the last descriptor
 
 
 def _unlink(directory: Path, name: str) -> None:
