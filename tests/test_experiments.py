@@ -230,6 +230,21 @@ def test_restore_lays_stored_runs_in_and_runs_only_the_missing_ones(tmp_path, mo
         main(["experiment", "smd-table", "--quick", "--out", str(tmp_path / "x"), "--restore", str(first)])
         == 2
     )
+    # --report-only runs nothing: the report holds the restored run alone
+    trained.clear()
+    third = tmp_path / "third"
+    argv = [
+        "experiment",
+        "smd-table",
+        "--quick",
+        "--out",
+        str(third),
+        "--restore",
+        str(stored),
+        "--report-only",
+    ]
+    assert main(argv) == 0 and trained == []
+    assert [r["arm"] for r in json.loads((third / "results.json").read_text())["runs"]] == ["shadow"]
 
 
 # --- is-variance ----------------------------------------------------------------------------------------

@@ -356,6 +356,9 @@ def _add_measuring_commands(sub) -> None:
         "--out: they are not run again, the missing ones are",
     )
     p.add_argument(
+        "--report-only", action="store_true", help="run nothing: report the runs already finished in --out"
+    )
+    p.add_argument(
         "--set",
         action="append",
         default=[],
@@ -857,7 +860,10 @@ def cmd_experiment(args) -> int:
     command += "".join(f" --set {item}" for item in args.set) + (
         f" --device {args.device}" if args.device else ""
     )
-    payload = experiments.run(spec, out, quick=args.quick, seeds=args.seeds, command=command)
+    command += " --report-only" * args.report_only
+    payload = experiments.run(
+        spec, out, quick=args.quick, seeds=args.seeds, command=command, report_only=args.report_only
+    )
     print((out / "results.md").read_text())
     print(f"results: {out / 'results.json'}; plots: {', '.join(payload['plots'])}")
     failed = experiments.failed_checks(payload)

@@ -14,7 +14,7 @@ from typing import Any
 
 from kvstreams.atomic import write_json
 from kvstreams.experiments.report import check_runs, write_report
-from kvstreams.experiments.runner import run_experiment
+from kvstreams.experiments.runner import finished_runs, run_experiment
 from kvstreams.experiments.spec import ExperimentSpec, available, load_spec
 
 __all__ = ["ExperimentSpec", "available", "failed_checks", "load_spec", "run"]
@@ -24,14 +24,20 @@ def default_out(spec: ExperimentSpec, quick: bool) -> Path:
     return Path("runs/experiments") / (f"{spec.name}-quick" if quick else spec.name)
 
 
-def run(spec: ExperimentSpec, out: Path, quick: bool, seeds: int | None, command: str) -> dict[str, Any]:
-    """Run (or finish) the experiment under ``out`` and write its report there."""
+def run(
+    spec: ExperimentSpec, out: Path, quick: bool, seeds: int | None, command: str, report_only: bool = False
+) -> dict[str, Any]:
+    """Run (or finish) the experiment under ``out`` and write its report there; ``report_only``: run
+    nothing, report the runs already finished (an experiment still under way, or restored)."""
     out.mkdir(parents=True, exist_ok=True)
     if spec.kind == "is_variance":
         return _run_probe(spec, out, quick, seeds, command)
     if spec.kind == "ladder":
-        return _run_ladder(spec, out, quick, seeds, command)
-    results = run_experiment(spec, out, quick=quick, seeds=seeds)
+        return _run_ladder(spec, out, quick, seeds, command, report_only)
+    if report_only:
+        results = finished_runs(spec, out, quick=quick, seeds=seeds)
+    else:
+        results = run_experiment(spec, out, quick=quick, seeds=seeds)
     checks = check_runs(spec, results, quick)
     return write_report(spec, spec.arms_to_run(quick), results, out, command, checks)
 
@@ -43,7 +49,9 @@ def failed_checks(payload: dict[str, Any]) -> int:
     return (payload.get("checks") or {}).get("failed", 0)
 
 
-def _run_ladder(spec: ExperimentSpec, out: Path, quick: bool, seeds: int | None, command: str) -> dict:
+def _run_ladder(
+    spec: ExperimentSpec, out: Path, quick: bool, seeds: int | None, command: str, report_only: bool
+) -> dict:
     """Each rung (an experiment of its own, in ``OUT/RUNG``) in order, every one run even when an
     earlier one fails; one report with every rung's table and check."""
     payloads: dict[str, Any] = {}
@@ -52,7 +60,7 @@ def _run_ladder(spec: ExperimentSpec, out: Path, quick: bool, seeds: int | None,
         rung = load_spec(name_or_path, spec.overrides)
         name = rung.name
         print(f"{spec.name}: rung {name}", file=sys.stderr, flush=True)
-        payloads[name] = run(rung, out / name, quick, seeds, f"{command} (rung {name})")
+        payloads[name] = run(rung, out / name, quick, seeds, f"{command} (rung {name})", report_only)
         rungs.append(_nested((out / name / "results.md").read_text(), name))
     failed = sum(failed_checks(p) for p in payloads.values())
     checked = [name for name, p in payloads.items() if "checks" in p]

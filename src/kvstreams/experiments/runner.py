@@ -166,6 +166,13 @@ def plan_runs(spec: ExperimentSpec, quick: bool, n_seeds: int) -> list[tuple[Arm
     return [(a, s) for s in range(n_seeds) for a in head] + [(a, s) for s in range(n_seeds) for a in tail]
 
 
+def finished_runs(spec: ExperimentSpec, out: Path, quick: bool = False, seeds: int | None = None):
+    """The results of the runs of ``spec`` already finished under ``out``, in plan order (nothing runs)."""
+    n_seeds = seeds or (spec.quick.seeds if quick else spec.seeds)
+    runs = [out / "runs" / arm.name / f"seed-{seed}" for arm, seed in plan_runs(spec, quick, n_seeds)]
+    return [load_result(r) for r in runs if (r / "result.json").is_file()]
+
+
 def run_experiment(
     spec: ExperimentSpec, out: Path, quick: bool = False, seeds: int | None = None
 ) -> list[dict[str, Any]]:
@@ -203,8 +210,7 @@ def run_experiment(
             )
         if waiting:
             time.sleep(5)
-    runs = [out / "runs" / arm.name / f"seed-{seed}" for arm, seed in plan]
-    return [load_result(r) for r in runs if (r / "result.json").is_file()]
+    return finished_runs(spec, out, quick, seeds)
 
 
 def restore_runs(results: Path, out: Path) -> int:
