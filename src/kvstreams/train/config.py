@@ -82,7 +82,7 @@ follow; the PPO/GRPO fields are shared (``LossBase``)."""
 
 
 class OptimSection(_Section):
-    lr: float = Field(2e-4, gt=0, le=10.0)
+    lr: float = Field(2e-4, gt=0, le=1e6)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
     schedule: Literal["constant", "linear", "cosine"] = "constant"
