@@ -17,6 +17,18 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
     return {arch: str(make_tiny_model(root / arch, arch=arch)) for arch in ("qwen3", "llama")}
 
 
+@pytest.fixture(scope="module")
+def two_steps(model_dirs, tmp_path_factory):
+    """A finished 2-step training run with both checkpoints kept (the reliability tests copy it)."""
+    from kvstreams.train.loop import train
+    from test_train import small_config
+
+    root = tmp_path_factory.mktemp("two_steps")
+    cfg = small_config(model_dirs["qwen3"], root, **{"train.eval_every": "0", "train.keep_last": "2"})
+    train(cfg, show_progress=False)
+    return root
+
+
 @pytest.fixture(scope="session")
 def models(model_dirs):
     """arch -> (model, tokenizer); qwen3 is GQA with q/k norm, llama is multi-head."""

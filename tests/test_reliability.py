@@ -53,15 +53,6 @@ CORRUPTIONS = {
 }
 
 
-@pytest.fixture(scope="module")
-def two_steps(model_dirs, tmp_path_factory):
-    """A finished 2-step run with both checkpoints kept, copied fresh for each test."""
-    root = tmp_path_factory.mktemp("two_steps")
-    cfg = small_config(model_dirs["qwen3"], root, **{"train.eval_every": "0", "train.keep_last": "2"})
-    train(cfg, show_progress=False)
-    return root
-
-
 def _copy(src, dst):
     import shutil
 

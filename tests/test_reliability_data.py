@@ -5,7 +5,6 @@ Each test reproduces a case that was found losing data or loading wrong weights 
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -16,23 +15,8 @@ from kvstreams.errors import KVStreamsError
 from kvstreams.train.checkpoint import CHECKSUMS, checkpoint_problem
 from kvstreams.train.config import load_config
 from kvstreams.train.loop import train
-from test_reliability import _flip_byte, _rows
+from test_reliability import _copy, _flip_byte, _rows
 from test_train import small_config
-
-
-@pytest.fixture(scope="module")
-def two_steps(model_dirs, tmp_path_factory):
-    """A finished 2-step run with both checkpoints kept."""
-    root = tmp_path_factory.mktemp("two_steps_data")
-    cfg = small_config(model_dirs["qwen3"], root, **{"train.eval_every": "0", "train.keep_last": "2"})
-    train(cfg, show_progress=False)
-    return root
-
-
-def _copy(src, dst):
-    shutil.copytree(src, dst)
-    return dst
-
 
 # --- kvstreams sft never overwrites a model it was not asked to ------------------------------------------
 

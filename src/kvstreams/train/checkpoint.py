@@ -94,16 +94,24 @@ def save_checkpoint(
 
 
 def _prune(out: Path, newest: Path, keep_last: int) -> None:
-    """Delete this run's readable checkpoints older than the ``keep_last`` newest (``newest``, just
-    written, always among them). Anything else named ``step-*`` (an empty directory, a file, a corrupt
-    checkpoint kept for diagnosis) is not ours to delete, and must not count towards ``keep_last``."""
-    older = sorted(
-        p
-        for p in out.iterdir()
-        if _NAME.fullmatch(p.name) and p.name < newest.name and checkpoint_problem(p) is None
-    )
+    """Delete this run's checkpoints older than the ``keep_last`` newest (``newest``, just written,
+    always among them). Anything else named ``step-*`` (an empty directory, a file, a directory
+    without digests) is not ours to delete and must not count towards ``keep_last``. A checkpoint is
+    recognised by its layout, not by re-hashing it: pruning runs at every save."""
+    older = sorted(p for p in out.iterdir() if p.name < newest.name and _is_checkpoint(p))
     for old in older[: max(0, len(older) - (keep_last - 1))]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _is_checkpoint(path: Path) -> bool:
+    """A directory written by :func:`save_checkpoint`: ``step-NNNNNN`` with digests and a state.json
+    whose step is the name's."""
+    if not (_NAME.fullmatch(path.name) and (path / CHECKSUMS).is_file()):
+        return False
+    try:
+        return json.loads((path / "state.json").read_text())["step"] == int(path.name[len(PREFIX) :])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def _jsonable(value: Any) -> Any:
