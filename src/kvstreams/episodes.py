@@ -31,13 +31,7 @@ from kvstreams.compaction import Bridge, CompactionStrategy, Reason, UnitKind, U
 from kvstreams.cost import RolloutCost, rollout_cost
 from kvstreams.engine.sampling import SamplingParams, sample
 from kvstreams.engine.stream import StreamSession
-from kvstreams.envs.base import (
-    Environment,
-    EnvironmentOutputError,
-    check_episode_reward,
-    checked_messages,
-    checked_reward,
-)
+from kvstreams.envs.base import Environment, checked_messages, checked_step, failure
 from kvstreams.errors import KVStreamsError
 from kvstreams.trace import Trace
 
@@ -311,21 +305,10 @@ class EpisodeRunner:
         assert self.session is not None
         text = self.chat.decode([t for t in ep.reply if t != self.chat.end_of_turn])
         try:  # what the environment returns is checked inside the guard: a bad answer drops the episode
-            messages, reward, done, info = ep.env.step(text)
-            reward = checked_reward(reward)
-            check_episode_reward(ep.env, ep.reward + reward)
-            if not done:
-                checked_messages(messages, "step")
-            if not isinstance(info, dict):
-                raise EnvironmentOutputError(f"step returned info {info!r}, not a dict")
+            messages, reward, done, info = checked_step(ep.env, ep.env.step(text), ep.reward)
         except Exception as err:
-            what = (
-                str(err)
-                if isinstance(err, EnvironmentOutputError)
-                else f"step raised {type(err).__name__}: {err}"
-            )
-            ep.error = f"seed {ep.seed}: {what}"
-            self._finish(ep, reason=what, failed=True)
+            ep.error = f"seed {ep.seed}: {failure(err)}"
+            self._finish(ep, reason=failure(err), failed=True)
             return None
         ep.reward += reward
         ep.turns += 1

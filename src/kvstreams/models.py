@@ -80,9 +80,14 @@ def _check_weights(path: Path, model: torch.nn.Module, info: dict) -> None:
         if names:
             shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
             raise KVStreamsError(f"{path}: {kind.replace('_keys', '')} weights in model.safetensors: {shown}")
-    bad = next((n for n, p in model.named_parameters() if not torch.isfinite(p).all()), None)
+    bad = first_nonfinite(model)
     if bad is not None:
         raise KVStreamsError(f"{path}: non-finite (NaN or inf) weights in {bad}")
+
+
+def first_nonfinite(model: torch.nn.Module) -> str | None:
+    """The name of the first parameter holding a NaN or inf, or None."""
+    return next((n for n, p in model.named_parameters() if not torch.isfinite(p).all()), None)
 
 
 def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu"):

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from kvstreams.chat import ChatFormat
 from kvstreams.engine import RolloutEngine, SamplingParams
 from kvstreams.envs import Environment
-from kvstreams.envs.base import check_episode_reward, checked_messages, checked_reward
+from kvstreams.envs.base import checked_messages, checked_step
 from kvstreams.trace import Trace
 
 
@@ -30,9 +30,7 @@ def env_prompts(chat: ChatFormat, envs: Sequence[Environment], seeds: Sequence[i
 def reply_reward(env: Environment, chat: ChatFormat, trace: Trace) -> float:
     """The environment's reward for the reply sampled in ``trace`` (its sampled tokens, decoded)."""
     reply = trace.tokens[trace.sampled_mask].tolist()
-    reward = checked_reward(env.step(chat.decode(reply)).reward)
-    check_episode_reward(env, reward)
-    return reward
+    return checked_step(env, env.step(chat.decode(reply))).reward
 
 
 def sample_in_batches(

@@ -112,6 +112,26 @@ def check_episode_reward(env: Environment, total: float) -> None:
         )
 
 
+def checked_step(env: Environment, result: Any, reward_so_far: float = 0.0) -> StepResult:
+    """``env.step``'s ``result`` if it keeps the interface: a finite reward that leaves the episode's
+    total in ``env.reward_range``, a list of messages when the episode goes on, an ``info`` dict."""
+    messages, reward, done, info = result
+    reward = checked_reward(reward)
+    check_episode_reward(env, reward_so_far + reward)
+    if not done:
+        checked_messages(messages, "step")
+    if not isinstance(info, dict):
+        raise EnvironmentOutputError(f"step returned info {info!r}, not a dict")
+    return StepResult(messages, reward, done, info)
+
+
+def failure(err: Exception, action: str = "step") -> str:
+    """How an environment's failure reads in a dropped episode's line."""
+    if isinstance(err, EnvironmentOutputError):
+        return str(err)
+    return f"{action} raised {type(err).__name__}: {err}"
+
+
 _REGISTRY: Registry[Environment] = Registry("environment")
 ENVIRONMENTS = _REGISTRY.entries
 register = _REGISTRY.register

@@ -23,6 +23,7 @@ from safetensors.torch import load_file, load_model, save_file, save_model
 
 from kvstreams.atomic import sha256
 from kvstreams.errors import KVStreamsError
+from kvstreams.models import first_nonfinite
 
 PREFIX = "step-"
 CHECKSUMS = "checksums.json"
@@ -190,7 +191,7 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler) -> dict[str, 
     try:
         state = json.loads((path / "state.json").read_text())
         load_model(model, str(path / "model.safetensors"), strict=True)
-        bad = next((n for n, p in model.named_parameters() if not torch.isfinite(p).all()), None)
+        bad = first_nonfinite(model)
         if bad is not None:
             raise ValueError(f"non-finite weights in {bad}")
         optimizer.load_state_dict(

@@ -17,7 +17,7 @@ from kvstreams.compaction import make_strategy
 from kvstreams.cost import RolloutCost
 from kvstreams.engine import RolloutEngine, SamplingParams
 from kvstreams.envs import is_single_turn, make_env
-from kvstreams.envs.base import EnvironmentOutputError
+from kvstreams.envs.base import failure
 from kvstreams.episodes import EpisodeRunner
 from kvstreams.policies import make_policy
 from kvstreams.single_turn import env_prompts, reply_reward
@@ -199,12 +199,7 @@ class RolloutSource:
                 errors.append(None)
             except Exception as err:  # one environment failing must not take the batch down
                 rewards.append(0.0)
-                what = (
-                    str(err)
-                    if isinstance(err, EnvironmentOutputError)
-                    else f"step raised {type(err).__name__}: {err}"
-                )
-                errors.append(f"seed {seed}: {what}")
+                errors.append(f"seed {seed}: {failure(err)}")
         stats = RolloutCost(
             episodes=len(traces),
             tokens_forwarded=sum(len(t) - 1 for t in traces),
