@@ -86,7 +86,9 @@ def test_shards_merged_are_the_single_process_batch(model_dirs):
     whole = source.run(plan)
     assert whole.stats.compactions > 0  # the costs below merge compaction means
     parts = [source.run(shard) for _, shard in shard_plan(plan, 2)]
-    _same_rollouts(whole, merge_batches(parts))
+    merged = merge_batches(parts)
+    _same_rollouts(whole, merged)
+    assert merged.outcomes == whole.outcomes and len(whole.outcomes) == len(plan)
 
 
 def test_batches_cross_processes_as_safetensors_and_are_checked(model_dirs):
@@ -110,6 +112,9 @@ def test_batches_cross_processes_as_safetensors_and_are_checked(model_dirs):
         batch_from_wire({**wire, "traces": [b"\x08" + wire["traces"][0][1:], *wire["traces"][1:]]})
     with pytest.raises(KVStreamsError, match="cost"):
         batch_from_wire({**wire, "cost": {**wire["cost"], "tokens_forwarded": "many"}})
+    assert back.outcomes == batch.outcomes and batch.outcomes[0]["correct"] in (0.0, 1.0)
+    with pytest.raises(KVStreamsError, match="outcomes"):
+        batch_from_wire({**wire, "outcomes": [{"correct": "yes"}] * len(wire["outcomes"])})
 
 
 def test_a_worker_takes_new_weights_between_decode_steps(model_dirs):

@@ -207,3 +207,67 @@ def test_recall_with_many_codes_pays_each_code_at_its_place():
     one = make_env("recall", n_filler=1)  # the one-code task is as it was
     one.reset(3)
     assert one.step(one.expert_reply()).reward == 1.0 and "Remember this:" in one.reset(3)[0]["content"]
+
+
+def _last_reply_before_question(env, seed: int, replies) -> dict:
+    env.reset(seed)
+    for turn in range(env.n_turns):
+        env.step(replies(turn, env))
+    return env.step("<state></state><action>none</action>").info
+
+
+def test_memory_reports_whether_the_last_state_before_the_question_carried_the_facts():
+    env = make_env("memory", n_turns=3, n_facts=2)
+    assert _last_reply_before_question(env, 1, lambda t, e: e.expert_reply())["carried"] is True
+    env.reset(1)
+    values = list(env.facts.values())
+
+    def state(text: str, action: str = "ok") -> str:
+        return f"<state>{text}</state><action>{action}</action>"
+
+    cases = {  # the replies of turns 0, 1, 2 (the last before the question) -> carried
+        "in an earlier state only": ([state(" ".join(values))] * 2 + [state("")], False),
+        "one fact of two": ([state(values[0])] * 3, False),
+        "in the action": ([state("", " ".join(values))] * 3, False),
+        "both, any order, with punctuation": ([state(f"x {values[1]}, {values[0]}.")] * 3, True),
+    }
+    for name, (replies, expected) in cases.items():
+        info = _last_reply_before_question(env, 1, lambda t, e, r=replies: r[t])
+        assert info["carried"] is expected, name
+
+
+def test_memory_copying_expert_carries_the_fact_only_by_chance():
+    plain = make_env("memory", n_turns=4, n_facts=1, noise_words=8)
+    copying = make_env(
+        "memory", n_turns=4, n_facts=1, noise_words=8, expert_carries_state=False, expert_copy_rate=0.5
+    )
+    carried, states = 0, set()
+    for seed in range(600):
+        observations = []
+        for env in (plain, copying):
+            env.reset(seed)
+            seen = []
+            for _ in range(env.n_turns):
+                reply = env.expert_reply()
+                seen.append(env.step(reply).messages[0]["content"])
+                if env is copying:
+                    states.add(reply.split("</state>")[0].removeprefix("<state>"))
+            observations.append(seen)
+            if env is copying:
+                answer = env.expert_reply()
+                assert env.facts["color"] in answer  # the answer is read from the full context
+                info = env.step(answer).info
+                carried += info["carried"]
+        assert observations[0] == observations[1]  # the copying draws its own random stream
+    # the fact is one of 6 words of its observation, copied with probability 1/2 and kept through
+    # two noise turns with probability 1/4: about 2% of episodes
+    assert 0.005 < carried / 600 < 0.05
+    assert len(states) > 50 and all(" " not in s and "=" not in s for s in states)  # one plain word
+
+
+def test_memory_copy_rate_is_checked():
+    for bad in (-0.1, 1.5):
+        with pytest.raises(KVStreamsError, match="expert_copy_rate"):
+            make_env("memory", expert_carries_state=False, expert_copy_rate=bad)
+    with pytest.raises(KVStreamsError, match="expert_carries_state"):
+        make_env("memory", expert_copy_rate=0.5)

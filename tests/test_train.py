@@ -290,6 +290,10 @@ def test_train_end_to_end_and_resume_matches(model_dirs, tmp_path):
     ):
         assert key in rows[1], key
     assert "eval/reward_mean" in rows[0] and "eval/reward_mean" in rows[2]
+    # the environment's own outcomes, per step and per evaluation: with one fact, "correct" is the reward
+    for r in rows[1:]:
+        assert r["env/correct"] == pytest.approx(r["reward/mean"]) and 0 <= r["env/carried"] <= 1
+    assert rows[2]["eval/env/correct"] == pytest.approx(rows[2]["eval/reward_mean"])
     assert {p.name for p in run.glob("*.png")} >= {"reward.png", "mismatch.png", "kv.png", "tokens.png"}
     assert any((run / "tensorboard").iterdir())
     assert summary["mismatch_k3_kl_mean"] < 1e-9

@@ -29,13 +29,14 @@ def batch_to_wire(batch: RolloutBatch) -> dict[str, Any]:
         "samples": [[s.group, s.episode, float(s.reward)] for s in batch.samples],
         "rewards": [float(r) for r in batch.rewards],
         "errors": [e if e is None else str(e) for e in batch.errors],
+        "outcomes": [dict(o) for o in batch.outcomes],
         "cost": batch.stats.as_dict(),
     }
 
 
 def batch_from_wire(payload: dict[str, Any], where: str = "rollout worker") -> RolloutBatch:
     """The batch :func:`batch_to_wire` sent; anything but the expected keys and types is an error."""
-    if not isinstance(payload, dict) or set(payload) != {"traces", "samples", "rewards", "errors", "cost"}:
+    if not isinstance(payload, dict) or set(payload) != {"traces", "samples", "rewards", "errors", "outcomes", "cost"}:
         raise KVStreamsError(f"{where}: not a rollout batch")
     traces, rows = payload["traces"], payload["samples"]
     if not all(isinstance(t, bytes) for t in traces) or len(traces) != len(rows):
@@ -53,7 +54,14 @@ def batch_from_wire(payload: dict[str, Any], where: str = "rollout worker") -> R
         raise KVStreamsError(f"{where}: the cost has unexpected keys")
     if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in cost.values()):
         raise KVStreamsError(f"{where}: the cost must be numbers")
-    return RolloutBatch(samples, rewards, RolloutCost(**cost), errors=list(errors))
+    outcomes = payload["outcomes"]
+    if not all(
+        isinstance(o, dict)
+        and all(isinstance(k, str) and isinstance(v, float) for k, v in o.items())
+        for o in outcomes
+    ):
+        raise KVStreamsError(f"{where}: outcomes must map names to floats")
+    return RolloutBatch(samples, rewards, RolloutCost(**cost), errors=list(errors), outcomes=list(outcomes))
 
 
 def _typed(values: Any, types: tuple[type, ...], where: str) -> list[Any]:
@@ -88,10 +96,12 @@ def state_from_bytes(data: bytes) -> dict[str, torch.Tensor]:
 def merge_batches(parts: list[RolloutBatch]) -> RolloutBatch:
     """Shards of one plan, in plan order, as one batch: the episodes are numbered across shards (groups
     are the plan's own numbers already), costs merged (:func:`~kvstreams.cost.merge_costs`)."""
-    samples, rewards, errors, offset = [], [], [], 0
+    samples, rewards, errors, outcomes, offset = [], [], [], [], 0
     for part in parts:
         samples += [Sample(s.trace, s.group, s.episode + offset, s.reward) for s in part.samples]
         rewards += part.rewards
         errors += part.errors or [None] * len(part.rewards)
+        outcomes += part.outcomes or [{} for _ in part.rewards]
         offset += len(part.rewards)
-    return RolloutBatch(samples, rewards, merge_costs([p.stats for p in parts]), errors=errors)
+    cost = merge_costs([p.stats for p in parts])
+    return RolloutBatch(samples, rewards, cost, errors=errors, outcomes=outcomes)

@@ -5,6 +5,10 @@ in the protected head, so compaction deletes them; only an agent that carries th
 own replies (or summaries) can still answer. Each reply should be
 ``<state>...</state><action>...</action>``; the final question is answered inside ``<action>``.
 
+Besides the reward, the final step reports ``carried``: whether the ``<state>`` of the agent's last
+reply before the question held every fact's value (what survives a compaction that deletes the
+fact's observation; logged as ``env/carried`` in training and ``eval/env/carried`` in evaluation).
+
 Knobs: ``n_facts`` (how much to remember), ``n_turns`` (distractor turns before the question),
 ``noise_words`` (length of each distractor observation), ``kinds`` (which facts, e.g. ``["number"]``:
 a two-digit number a guess gets right 1 time in 90, where a colour pays 1 in 6; default the first
@@ -13,6 +17,12 @@ correctly, given at the end. ``expert_reply`` carries the facts in every reply, 
 teach exactly that habit; with ``expert_carries_state = False`` its states are empty and only its final
 answer is right (read from the full context): demonstrations of the output format alone, for the
 experiment where RL must discover the habit (``configs/experiments/recurrence-from-rl.toml``).
+``expert_copy_rate`` (with ``expert_carries_state = False``) makes the habit discoverable without
+showing it: the expert's state is one word copied from an observation; at each turn, with this
+probability, a random word of the newest observation replaces it, otherwise the previous state is
+restated. The fact is in that state only by chance (it is one word of its observation, and a later
+copy overwrites it), so the demonstrations never tie carrying the fact to the reward
+(``configs/experiments/recurrence-discoverable.toml``).
 """
 
 from __future__ import annotations
@@ -43,12 +53,25 @@ class MemoryEnv(Environment):
     max_turns: int = 32
     expert_carries_state: bool = True
     kinds: list[str] | None = None  # which facts, e.g. ["number"]; default: the first n_facts kinds
+    expert_copy_rate: float = 0.0  # > 0: the expert's state is a copied word (see the module docstring)
     _facts: dict[str, str] = field(default_factory=dict, init=False, repr=False)
     _turn: int = field(default=0, init=False, repr=False)
     _rng: random.Random = field(default_factory=random.Random, init=False, repr=False)
+    _copy_rng: random.Random = field(default_factory=random.Random, init=False, repr=False)
+    _copied: str = field(default="", init=False, repr=False)
+    _carried: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.require_at_least(n_facts=1, n_turns=1, noise_words=0, max_turns=1)
+        if not 0.0 <= self.expert_copy_rate <= 1.0:
+            raise KVStreamsError(
+                f"environment 'memory': expert_copy_rate must be in [0, 1], got {self.expert_copy_rate}"
+            )
+        if self.expert_copy_rate > 0 and self.expert_carries_state:
+            raise KVStreamsError(
+                "environment 'memory': expert_copy_rate needs expert_carries_state = false "
+                "(an expert that carries the facts copies nothing at random)"
+            )
         if self.kinds is not None:
             unknown = [k for k in self.kinds if k not in FACT_KINDS]
             if unknown or not self.kinds or len(set(self.kinds)) != len(self.kinds):
@@ -77,6 +100,9 @@ class MemoryEnv(Environment):
         kinds = self.kinds or FACT_KINDS[: max(1, min(self.n_facts, len(FACT_KINDS)))]
         self._facts = {k: self._fact_value(k) for k in kinds}
         self._turn = 0
+        self._copy_rng = random.Random(f"copy-{seed}")  # its own stream: noise and facts stay as they were
+        self._copied = ""
+        self._carried = False
         return [
             {
                 "role": "system",
@@ -104,16 +130,32 @@ class MemoryEnv(Environment):
             answer = parse_action(reply) or ""
             given = dict(re.findall(r"(\w+)\s*=\s*(\w+)", answer))
             correct = sum(given.get(k) == v for k, v in self._facts.items())
-            return StepResult(
-                [], correct / len(self._facts), True, {"correct": correct, "facts": len(self._facts)}
-            )
+            info = {"correct": correct, "facts": len(self._facts), "carried": self._carried}
+            return StepResult([], correct / len(self._facts), True, info)
+        if self._turn == self.n_turns - 1:  # the last reply before the question
+            state = set(_plain_words(parse_state(reply)))
+            self._carried = all(v in state for v in self._facts.values())
         self._turn += 1
-        return StepResult([{"role": "user", "content": self._observation()}], 0.0, False, {})
+        observation = self._observation()
+        if self.expert_copy_rate > 0 and self._copy_rng.random() < self.expert_copy_rate:
+            self._copied = self._copy_rng.choice(_plain_words(observation))
+        return StepResult([{"role": "user", "content": observation}], 0.0, False, {})
 
     def expert_reply(self) -> str:
         if self._turn == 0:  # nothing to remember yet
             return "<state></state><action>ok</action>"
-        state = self.state_text() if self.expert_carries_state else ""
+        state = self.state_text() if self.expert_carries_state else self._copied
         if self._turn >= self.n_turns:
             return f"<state>{state}</state><action>{self.state_text()}</action>"
         return f"<state>{state}</state><action>ok</action>"
+
+
+def parse_state(reply: str) -> str:
+    """The text inside the reply's first ``<state>...</state>`` ("" without one)."""
+    m = re.search(r"<state>(.*?)</state>", reply, re.S)
+    return m.group(1) if m else ""
+
+
+def _plain_words(text: str) -> list[str]:
+    """The words of an observation a copying expert may pick (markup and punctuation left out)."""
+    return re.findall(r"[A-Za-z0-9]+", re.sub(r"<[^>]*>", " ", text))

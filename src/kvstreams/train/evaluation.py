@@ -104,5 +104,6 @@ def evaluate(source: EpisodeSource, tasks: int, samples: int = 1, greedy: bool =
             f"every evaluation task had an episode whose environment failed; first: {errors[0]}"
         )
     m = summarise(sampled, greedy_rewards or None)
+    m.update(batch.outcome_means(prefix="eval/env/"))  # of the sampled episodes
     m["eval/failed_episodes"] = float(len(errors))
     return m

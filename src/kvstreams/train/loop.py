@@ -64,6 +64,7 @@ def rollout_metrics(batch: RolloutBatch, seconds: float) -> dict[str, float]:
         "rollout/observations_truncated": float(s.observations_truncated),
         "rollout/seconds": seconds,
         "tokens/s": s.tokens_forwarded / max(seconds, 1e-9),
+        **batch.outcome_means(),
     }
     # What the standard pipeline would have forwarded for the same rollouts, by the closed form in its
     # steady-state use (REPREFILL_EQUIVALENT): the first fill from 0 to B re-prefills nothing, and

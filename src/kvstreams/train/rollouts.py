@@ -8,6 +8,8 @@ compression ``policy``) through :class:`~kvstreams.engine.RolloutEngine`. Seeds 
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
@@ -48,10 +50,31 @@ class RolloutBatch:
     rewards: list[float]  # per episode, groups contiguous
     stats: RolloutCost
     errors: list[str | None] = field(default_factory=list)  # per episode: why its environment failed
+    # per episode: the numbers its environment reported besides the reward (``StepResult.info``)
+    outcomes: list[dict[str, float]] = field(default_factory=list)
 
     def failed(self) -> list[bool]:
         """Per episode: its environment raised (the episode is not trained on)."""
         return [bool(e) for e in self.errors] if self.errors else [False] * len(self.rewards)
+
+    def outcome_means(self, prefix: str = "env/") -> dict[str, float]:
+        """Each outcome the environment reported, averaged over the episodes that did not fail and
+        report it (e.g. ``env/carried``, the memory task's share of states holding the fact)."""
+        failed = self.failed()
+        values: dict[str, list[float]] = {}
+        for outcome, bad in zip(self.outcomes, failed, strict=False):
+            for key, value in ([] if bad else outcome.items()):
+                values.setdefault(key, []).append(value)
+        return {f"{prefix}{k}": sum(v) / len(v) for k, v in sorted(values.items())}
+
+
+def numeric_outcomes(info: dict) -> dict[str, float]:
+    """The numbers of an episode's info (bools as 0/1): what :meth:`RolloutBatch.outcome_means` logs."""
+    return {
+        str(k): float(v)
+        for k, v in info.items()
+        if isinstance(v, int | float) and math.isfinite(float(v))
+    }
 
 
 @dataclass(frozen=True)
@@ -182,7 +205,8 @@ class RolloutSource:
             Sample(t, groups[res.episode], res.episode, res.reward) for res in results for t in res.traces
         ]
         errors = [res.error for res in results]
-        return RolloutBatch(samples, [res.reward for res in results], stats, errors=errors)
+        outcomes = [numeric_outcomes(res.info) for res in results]
+        return RolloutBatch(samples, [res.reward for res in results], stats, errors=errors, outcomes=outcomes)
 
     def _single_turn(self, envs, env_seeds, sample_seeds, groups, greedy, on_step, progress) -> RolloutBatch:
         r = self.cfg.rollout
