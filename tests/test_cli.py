@@ -313,13 +313,13 @@ def test_verify_strategies(model_dirs, tmp_path):
     ("argv", "message"),
     [
         (["rollout", "--mode", "reprefill"], "needs --strategy"),
-        (["rollout", "--strategy", "summary", "--policy", "h2o"], "cannot be combined"),
+        (["rollout", "--strategy", "summary", "--policy", "h2o", "--policy-arg", "budget_of=context"], "context"),
         (["rollout", "--strategy", "nope"], "unknown compaction strategy"),
         (["rollout", "--strategy", "summary", "--env", "chess"], "unknown environment"),
         (["rollout", "--strategy", "markovian", "--compact-budget", "40"], "not below the budget"),
         (["rollout", "--strategy", "markovian", "--strategy-arg", "keep_tokens=0"], "keep_tokens"),
         (["rollout", "--strategy", "summary", "--mode", "sideways"], "invalid choice"),
-        (["verify", "--strategy", "summary", "--policy", "h2o"], "not both"),
+        (["verify", "--strategy", "summary", "--policy", "h2o", "--budget", "1.0"], "keeps everything"),
     ],
 )
 def test_bad_episode_values(model_dirs, tmp_path, capsys, argv, message):

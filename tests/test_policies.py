@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kvstreams.engine.engine import choose_kept
+from kvstreams.engine.compression import choose_kept
 from kvstreams.errors import KVStreamsError
 from kvstreams.policies import POLICIES, EntryView, EvictionPolicy, make_policy, parse_budget, register
 

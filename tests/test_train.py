@@ -476,7 +476,6 @@ def test_reprefill_baseline_trains_segments(qwen, model_dirs, tmp_path):
             ['rollout.env="gsm8k"', 'rollout.policy="snapkv"', "rollout.policy_args={budget = 3.0}"],
             "fractional budget",
         ),
-        (['rollout.strategy="markovian"', 'rollout.policy="snapkv"'], "cannot be combined"),
     ],
 )
 def test_bad_configs(overrides, message):

@@ -246,13 +246,15 @@ def _add_sampling_commands(sub) -> None:
     p = sub.add_parser(
         "rollout",
         help="sample with an eviction policy (single turn) or run multi-turn episodes with a compaction "
-        "strategy; write one trace file per sequence and summary.json",
+        "strategy (and optionally a policy compressing inside them); write one trace file per sequence "
+        "and summary.json",
     )
     _add_model_args(p)
     p.add_argument(
         "--policy",
         default=None,
-        help=f"eviction policy, one of: {', '.join(sorted(POLICIES))} (default snapkv)",
+        help=f"eviction policy, one of: {', '.join(sorted(POLICIES))} (default snapkv); with --strategy "
+        "or --mode it compresses inside the episodes",
     )
     _add_sampling_args(p, episodes=4, prompt_len=128, new_tokens=384)
     _add_episode_args(p)
@@ -266,7 +268,8 @@ def _add_sampling_commands(sub) -> None:
         "--policy",
         action="append",
         default=None,
-        help="eviction policy to check (repeatable); default: every registered policy",
+        help="eviction policy to check (repeatable); default: every registered policy. With --strategy "
+        "or a multi-turn --env, every strategy x policy pair runs (compression inside compaction)",
     )
     _add_sampling_args(p, episodes=3, prompt_len=64, new_tokens=448)
     _add_episode_args(p, repeat_strategy=True)
@@ -406,6 +409,15 @@ def _sampling_params(args):
     )
 
 
+def _stream_policy(name: str, args):
+    """A policy to compress inside multi-turn episodes: its budget checked before the model loads."""
+    from kvstreams.engine.compression import StreamBudget
+
+    policy = _policy(name, args)
+    StreamBudget(policy)
+    return policy
+
+
 def _policy(name: str, args):
     from kvstreams.policies import make_policy, parse_budget
 
@@ -522,7 +534,9 @@ def _prompts(args, tokenizer):
 
 
 def cmd_rollout(args) -> int:
-    if args.strategy or args.mode:
+    from kvstreams.envs import is_single_turn
+
+    if args.strategy or args.mode or (args.env is not None and not is_single_turn(args.env)):
         return _rollout_episodes(args)
     return _rollout_policy(args)
 
@@ -594,20 +608,19 @@ def _rollout_episodes(args) -> int:
     from kvstreams.episodes import EpisodeRunner
     from kvstreams.rollout_summary import episode_summary, save_episode_traces
 
-    if args.policy:
-        raise KVStreamsError(
-            "--policy (compression) and --strategy/--mode (compaction) cannot be combined yet"
-        )
-    mode = args.mode or "stream"
+    mode = args.mode or ("stream" if args.strategy else "full")
     if mode != "full" and not args.strategy:
         raise KVStreamsError(f"--mode {mode} needs --strategy")
     strategy = _strategy(args.strategy, args) if args.strategy else None
+    policy = _stream_policy(args.policy, args) if args.policy else None  # compression inside the episodes
     envs = _envs(args, args.episodes)
     out = Path(args.out)
     _check_out(out, traces=True)
     model, tokenizer = _load(args)
     params = _sampling_params(args)
-    runner = EpisodeRunner(model, tokenizer, strategy, mode=mode, sampling=params, **_runner_options(args))
+    runner = EpisodeRunner(
+        model, tokenizer, strategy, mode=mode, sampling=params, policy=policy, **_runner_options(args)
+    )
     with _progress(f"rollout {args.env or 'memory'} {mode}", None) as advance:
         results, stats = runner.run(envs, _seeds(args), progress=advance)
     names = save_episode_traces(results, out, mode)
@@ -630,8 +643,6 @@ def cmd_verify(args) -> int:
     from kvstreams.verify import json_payload, passes
 
     _check_json(args.json)
-    if args.policy and args.strategy:
-        raise KVStreamsError("verify either --policy (compression) or --strategy (compaction), not both")
     strategies = _verifies_strategies(args)
     subjects = _verify_subjects(args, strategies)
     model, tokenizer = _load(args)
@@ -657,11 +668,11 @@ def cmd_verify(args) -> int:
 
 
 def _verifies_strategies(args) -> bool:
-    """Compaction strategies with ``--strategy``, or with a multi-turn ``--env`` and no ``--policy``;
-    eviction policies otherwise."""
+    """Episodes (compaction strategies, each with every ``--policy`` compressing inside it, if any)
+    with ``--strategy`` or a multi-turn ``--env``; single-turn eviction policies otherwise."""
     from kvstreams.envs import is_single_turn
 
-    return bool(args.strategy) or (args.env is not None and not args.policy and not is_single_turn(args.env))
+    return bool(args.strategy) or (args.env is not None and not is_single_turn(args.env))
 
 
 def _verify_subjects(args, strategies: bool) -> list:
@@ -672,7 +683,10 @@ def _verify_subjects(args, strategies: bool) -> list:
     if strategies:
         subjects = [_strategy(name, args) for name in (args.strategy or sorted(STRATEGIES))]
         _envs(args, 1)  # fail on a bad environment before loading the model
-        return subjects
+        policies = [_stream_policy(name, args) for name in args.policy or []]
+        if policies:  # every strategy x policy pair: compaction with compression inside it
+            return [(s, p) for s in subjects for p in policies]
+        return [(s, None) for s in subjects]
     return [_policy(name, args) for name in (args.policy or sorted(n for n in POLICIES if n != "full"))]
 
 
@@ -695,8 +709,9 @@ def _check_strategies(args, model, tokenizer, strategies, params) -> list:
 
     options, seeds = _runner_options(args), _seeds(args)
     checks = []
-    for strategy in strategies:
-        with _progress(f"verify {strategy.name}", None) as advance:
+    for strategy, policy in strategies:
+        name = strategy.name if policy is None else f"{strategy.name}+{policy.name}"
+        with _progress(f"verify {name}", None) as advance:
             checks.append(
                 check_strategy(
                     model,
@@ -707,6 +722,7 @@ def _check_strategies(args, model, tokenizer, strategies, params) -> list:
                     params,
                     args.backend,
                     advance,
+                    policy=policy,
                     **options,
                 )
             )

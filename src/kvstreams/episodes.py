@@ -29,10 +29,12 @@ import torch
 from kvstreams.chat import ChatFormat
 from kvstreams.compaction import Bridge, CompactionStrategy, Reason, UnitKind, UnitView, live_turns
 from kvstreams.cost import RolloutCost, rollout_cost
+from kvstreams.engine.compression import StreamBudget, budget_label
 from kvstreams.engine.sampling import SamplingParams, sample
 from kvstreams.engine.stream import StreamSession
 from kvstreams.envs.base import Environment, checked_messages, checked_step, failure
 from kvstreams.errors import KVStreamsError
+from kvstreams.policies import EvictionPolicy
 from kvstreams.trace import Trace
 
 CompactionMode = Literal["stream", "reprefill", "full"]
@@ -112,6 +114,7 @@ class EpisodeRunner:
         episode_timeout_s: float = 600.0,
         model_name: str = "",
         weights_version: int = 0,
+        policy: EvictionPolicy | None = None,
     ) -> None:
         if mode not in COMPACTION_MODES:
             raise KVStreamsError(f"unknown mode {mode!r}; choose one of {', '.join(COMPACTION_MODES)}")
@@ -126,6 +129,9 @@ class EpisodeRunner:
         self.chat = ChatFormat(tokenizer)
         self.strategy = strategy
         self.mode = mode
+        self.policy = policy if policy is not None and policy.evicts() else None  # compression, if any
+        if self.policy is not None:
+            StreamBudget(self.policy)  # a budget multi-turn streams cannot follow fails here, not mid-batch
         self.sampling = sampling or SamplingParams()
         self.block_size = block_size
         self.max_reply_tokens = max_reply_tokens
@@ -165,7 +171,9 @@ class EpisodeRunner:
         start = time.perf_counter()
         if self.strategy is not None:
             self.strategy = self.strategy.with_budget(envs[0].context_budget)
-        self.session = StreamSession(self.model, len(envs), weights_version=self.weights_version)
+        self.session = StreamSession(
+            self.model, len(envs), weights_version=self.weights_version, policy=self.policy, seed=self.sampling.seed
+        )
         self.tokens_filler = 0
         episodes = [
             Episode(i, s, env, torch.Generator().manual_seed(self.sampling.seed * 1_000_003 + ss))
@@ -475,7 +483,8 @@ class EpisodeRunner:
             "temperature": str(self.sampling.temperature),
             "top_p": str(self.sampling.top_p),
             "top_k": str(self.sampling.top_k),
-            "policy": "full",
+            "policy": self.policy.name if self.policy is not None else "full",
+            **self._policy_meta(),
             "mode": self.mode,
             "model": self.model_name,
             "env": ep.env.name,
@@ -487,6 +496,12 @@ class EpisodeRunner:
             "block_size": str(self.block_size),
             "events": json.dumps(events),
         }
+
+    def _policy_meta(self) -> dict[str, str]:
+        """The compression's settings, on traces of compressed episodes only."""
+        if self.policy is None:
+            return {}
+        return {"policy_config": json.dumps(self.policy.describe()), "budget": budget_label(self.policy)}
 
     def _cost(self, episodes: list[Episode], seconds: float) -> RolloutCost:
         assert self.session is not None

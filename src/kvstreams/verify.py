@@ -146,11 +146,14 @@ def verify_strategy(
     progress: Callable[[int], None] | None = None,
     **runner_options,
 ) -> tuple[Report, list[Trace]]:
-    """Run episodes in stream mode (one trace each) and replay them."""
+    """Run episodes in stream mode (one trace each) and replay them. A ``policy`` among the runner
+    options compresses inside the episodes too; the report is named ``strategy+policy``."""
     traces, events = stream_episodes(
         model, tokenizer, strategy, envs, seeds, params, progress, **runner_options
     )
-    return report_for(model, strategy.name, "strategy", traces, events, backend), traces
+    policy = runner_options.get("policy")
+    name = strategy.name if policy is None else f"{strategy.name}+{policy.name}"
+    return report_for(model, name, "strategy", traces, events, backend), traces
 
 
 def stream_episodes(

@@ -107,7 +107,7 @@ class SlotCache:
         """:meth:`write_chunk` for a subset ``rows`` of the sequences (keys/values [len(rows), H, C, D]).
 
         Returns those rows' keys, values and slot index after the write, for attention. Rows that have
-        nothing to feed then cost nothing; attention statistics are not tracked on this path.
+        nothing to feed then cost nothing. The new entries' attention statistics start at zero.
         """
         B, H, C, D = keys.shape
         k = self.keys[layer].index_select(0, rows)
@@ -121,7 +121,21 @@ class SlotCache:
         self.keys[layer].index_copy_(0, rows, k)
         self.values[layer].index_copy_(0, rows, v)
         self.index[layer].index_copy_(0, rows, i)
+        for stat in (self.cumulative, self.window):
+            if stat is not None:
+                stat[layer].index_copy_(0, rows, stat[layer].index_select(0, rows).scatter_(2, slots, 0.0))
         return k, v, i
+
+    def evict_rows(self, layer: int, evicted: torch.Tensor, rows: torch.Tensor, at: torch.Tensor) -> None:
+        """:meth:`evict_slots` for a subset ``rows`` of the sequences (``evicted`` [len(rows), H, S])."""
+        index = self.index[layer].index_select(0, rows)
+        b, h, s = evicted.nonzero(as_tuple=True)
+        if b.numel():
+            self.death[rows[b], layer, h, index[b, h, s]] = at[b].to(torch.int32)
+        self.index[layer].index_copy_(0, rows, index.masked_fill(evicted, -1))
+        for stat in (self.cumulative, self.window):
+            if stat is not None:
+                stat[layer].index_copy_(0, rows, stat[layer].index_select(0, rows).masked_fill(evicted, 0.0))
 
     def free_slots(self) -> torch.Tensor:
         """[B] the fewest free slots over layers and heads, per sequence."""
@@ -161,7 +175,7 @@ class SlotCache:
         index = self.index[:, row]  # [L, H, S]
         hit = (index >= start) & (index < end)
         n = int(hit[0, 0].sum())
-        if n:
+        if bool(hit.any()):  # under compression, heads hold different entries
             layers, heads, slots = hit.nonzero(as_tuple=True)
             self.death[row, layers, heads, index[layers, heads, slots]] = at
             self.index[:, row].masked_fill_(hit, -1)

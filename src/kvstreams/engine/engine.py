@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from kvstreams.attention import AttentionContext
 from kvstreams.engine.cache import SlotCache
+from kvstreams.engine.compression import choose_kept
 from kvstreams.engine.ops import attend_slots, attend_slots_fused
 from kvstreams.engine.sampling import SamplingParams, sample
 from kvstreams.errors import KVStreamsError
@@ -33,24 +34,6 @@ from kvstreams.trace import Trace
 from kvstreams.visibility import evicted_before
 
 _PREFILL_STAT_CHUNK = 256  # query rows per block when prefill attention statistics are needed
-
-
-def choose_kept(
-    policy: EvictionPolicy, view: EntryView, target: torch.Tensor, evicting: torch.Tensor
-) -> torch.Tensor:
-    """[B, H, N] bool: the ``target[b]`` best live entries of every evicting sequence, all live ones else."""
-    live = view.live
-    score = policy.score(view).float()
-    protected = policy.protected(view)
-    if protected is not None:
-        score = score.masked_fill(protected & live, float("inf"))
-    score = score.masked_fill(~live, float("-inf"))
-    order = score.argsort(dim=-1, descending=True, stable=True)
-    rank = torch.empty_like(order).scatter_(
-        -1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order)
-    )
-    keep = live & (rank < target[:, None, None])
-    return torch.where(evicting[:, None, None], keep, live)
 
 
 @dataclass

@@ -7,7 +7,9 @@ their K/V go into free slots. :meth:`StreamSession.evict` deletes a span of the 
 (every layer and head), recording ``death`` = the next query's index; the rest of the cache, and
 every retained entry's original K/V and position, is untouched. :meth:`StreamSession.restart` is
 the standard pipeline's alternative: the row's trace ends and a new one starts from given tokens,
-which are prefilled again with positions from 0.
+which are prefilled again with positions from 0. Given an eviction ``policy``, the session also
+compresses: after a forward, a row whose cache reached the budget drops entries per layer and KV head
+(:mod:`kvstreams.engine.compression`), recorded in the same ``death`` record.
 """
 
 from __future__ import annotations
@@ -20,15 +22,18 @@ import torch
 
 from kvstreams.attention import AttentionContext
 from kvstreams.engine.cache import SlotCache
-from kvstreams.engine.ops import attend_slots_fused
+from kvstreams.engine.compression import RoundPlan, StreamBudget
+from kvstreams.engine.ops import attend_slots, attend_slots_fused
 from kvstreams.engine.sampling import at_least_float32
 from kvstreams.models import model_shape
+from kvstreams.policies import EntryView, EvictionPolicy
 from kvstreams.trace import Trace
 from kvstreams.visibility import evicted_before
 
 
 class ChunkStep(AttentionContext):
-    """Attention context: write each row's chunk, then attend over live slots up to each query."""
+    """Attention context: write each row's chunk, then attend over live slots up to each query; under
+    compression, a round may follow (per layer, the policy's scores over the keys at hand)."""
 
     def __init__(
         self,
@@ -36,16 +41,22 @@ class ChunkStep(AttentionContext):
         write_index: torch.Tensor,
         query_index: torch.Tensor,
         rows: torch.Tensor | None = None,
+        compression: StreamBudget | None = None,
+        plan: RoundPlan | None = None,
+        generator: torch.Generator | None = None,
     ) -> None:
         self.cache = cache
         self.write_index = write_index  # [b, C] trace index of each chunk column, -1 for padding
         self.query_index = query_index  # [b, C] same, with padding columns seeing everything live
         self.rows = rows  # the cache rows the b batch rows are (None: all of them, in order)
+        self.compression, self.plan, self.generator = compression, plan, generator
 
     def attend(
         self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
     ) -> torch.Tensor:
         cache = self.cache
+        if self.compression is not None:
+            return self._attend_compressing(layer, query, key, value, scale)
         if self.rows is None:
             cache.write_chunk(layer, key, value, self.write_index)
             keys, values, index = cache.keys[layer], cache.values[layer], cache.index[layer]
@@ -53,6 +64,46 @@ class ChunkStep(AttentionContext):
             keys, values, index = cache.write_rows(layer, key, value, self.write_index, self.rows)
         visible = (index[:, :, None, :] >= 0) & (index[:, :, None, :] <= self.query_index[:, None, :, None])
         return attend_slots_fused(query, keys, values, visible, scale)
+
+    def _attend_compressing(
+        self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        cache, plan, rows = self.cache, self.plan, self.rows
+        assert self.compression is not None and plan is not None and rows is not None
+        keys, values, index = cache.write_rows(layer, key, value, self.write_index, rows)
+        visible = (index[:, :, None, :] >= 0) & (index[:, :, None, :] <= self.query_index[:, None, :, None])
+        cumulative = window = None
+        if cache.cumulative is None and cache.window is None:
+            out = attend_slots_fused(query, keys, values, visible, scale)
+        else:  # the policy scores by attention received: count it per entry
+            out, probs = attend_slots(query, keys, values, visible, scale)
+            received = probs.sum(dim=2)  # [b, H_kv, C, S], summed over the KV group's query heads
+            fed = self.write_index >= 0
+            counted = {"cumulative": fed, "window": fed & (self.write_index >= plan.window_from[:, None])}
+            for name in ("cumulative", "window"):
+                stat = getattr(cache, name)
+                if stat is not None:
+                    add = (received * counted[name][:, None, :, None]).sum(dim=2)
+                    stat[layer].index_add_(0, rows, add)
+            cumulative = None if cache.cumulative is None else cache.cumulative[layer].index_select(0, rows)
+            window = None if cache.window is None else cache.window[layer].index_select(0, rows)
+        if plan.any:
+            view = EntryView(
+                layer=layer,
+                keys=keys,
+                index=index,
+                query_index=plan.query_index,
+                budget=plan.budget,
+                attn_cumulative=cumulative,
+                attn_window=window,
+                generator=self.generator,
+            )
+            keep = self.compression.keep(view, plan)
+            cache.evict_rows(layer, (index >= 0) & ~keep, rows, evicted_before(plan.query_index + 1))
+            if cache.window is not None:  # a new observation window starts after a round
+                reset = cache.window[layer].index_select(0, rows).masked_fill(plan.evicting[:, None, None], 0.0)
+                cache.window[layer].index_copy_(0, rows, reset)
+        return out
 
 
 @dataclass
@@ -89,12 +140,18 @@ class StreamSession:
         initial_capacity: int = 256,
         initial_length: int = 1024,
         weights_version: int = 0,
+        policy: EvictionPolicy | None = None,
+        seed: int = 0,
     ) -> None:
         self.model = model
         self.shape = model_shape(model)
         device = next(model.parameters()).device
         self.device = device
-        self.cache = SlotCache(self.shape, n_rows, initial_capacity, initial_length, model.dtype, device)
+        # compression inside the stream: the policy's rounds after each forward (None: no compression)
+        self.compression = StreamBudget(policy) if policy is not None else None
+        self.generator = torch.Generator(device=device).manual_seed(seed)  # for random policies
+        track = policy.needs if policy is not None else frozenset()
+        self.cache = SlotCache(self.shape, n_rows, initial_capacity, initial_length, model.dtype, device, track)
         self.records = [Record() for _ in range(n_rows)]
         self.weights_version = weights_version  # the weights version; appended tokens record it
         self.counters = SessionCounters(kv_peak_bytes=self.cache.kv_bytes)
@@ -142,10 +199,12 @@ class StreamSession:
         query = torch.where(write >= 0, write, torch.iinfo(torch.long).max)
         positions = write.clamp(min=0)
         # Rows with nothing to feed stay out of the batch (they would cost C tokens of padding each).
-        subset = (
-            None if list(rows) == list(range(len(self.records))) else torch.tensor(rows, device=self.device)
+        every_row = list(rows) == list(range(len(self.records)))
+        subset = None if every_row and self.compression is None else torch.tensor(rows, device=self.device)
+        plan = self._round_plan(rows, chunks) if self.compression is not None else None
+        step = ChunkStep(
+            self.cache, write.to(self.device), query.to(self.device), subset, self.compression, plan, self.generator
         )
-        step = ChunkStep(self.cache, write.to(self.device), query.to(self.device), subset)
         with step:
             logits = self.model(
                 input_ids=ids.to(self.device), position_ids=positions.to(self.device), use_cache=False
@@ -165,6 +224,15 @@ class StreamSession:
         else:
             self.counters.chunk_seconds += seconds
         return out
+
+    def _round_plan(self, rows: list[int], chunks: list[list[int]]) -> RoundPlan:
+        """Whether a compression round follows this forward, per row (see :class:`StreamBudget`)."""
+        assert self.compression is not None
+        rows_t = torch.tensor(rows, device=self.device)
+        live = (self.cache.index[0].index_select(0, rows_t) >= 0).sum(-1).amax(-1)  # [b], most over heads
+        fed = torch.tensor([self.records[r].fed for r in rows], device=self.device)
+        chunk = torch.tensor([len(c) for c in chunks], device=self.device)
+        return self.compression.plan(live, fed, chunk)
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Load new weights in place between steps. The cache is kept (its K/V were computed under the

@@ -55,7 +55,8 @@ class RolloutSection(_Section):
     strategy_preset: str | None = None  # e.g. "kvstreams": the KV-streams authors' settings
     strategy_args: dict[str, Any] = Field(default_factory=dict)
     mode: Literal["stream", "reprefill", "full"] = "stream"
-    policy: str | None = None  # KV compression while sampling (single-turn environments)
+    policy: str | None = None  # KV compression while sampling; in multi-turn episodes it runs inside them,
+    # with or without a compaction strategy (kvstreams.engine.compression)
     policy_args: dict[str, Any] = Field(default_factory=dict)
     prompts_per_step: int = Field(2, ge=1)
     group_size: int = Field(8, ge=2, description="K rollouts per prompt (GRPO group)")
@@ -241,10 +242,6 @@ class Config(_Section):
     @model_validator(mode="after")
     def _combinations(self) -> Config:
         r, loss = self.rollout, self.loss
-        if r.policy and r.strategy and not is_single_turn(r.env):
-            raise ValueError(
-                "rollout.policy (compression) and rollout.strategy (compaction) cannot be combined yet"
-            )
         if loss.type == "reprefill" and r.mode != "reprefill":
             raise ValueError(
                 "loss.type = 'reprefill' trains re-prefill segments: set rollout.mode = 'reprefill'"
@@ -313,7 +310,11 @@ def _check_builds(r: RolloutSection) -> None:
         if r.strategy:
             make_strategy(r.strategy, preset=r.strategy_preset, **r.strategy_args)
         if r.policy:
-            make_policy(r.policy, **r.policy_args)
+            policy = make_policy(r.policy, **r.policy_args)
+            if not is_single_turn(r.env) and policy.evicts():
+                from kvstreams.engine.compression import StreamBudget
+
+                StreamBudget(policy)  # a budget multi-turn episodes cannot follow
     except KVStreamsError as err:
         raise ValueError(f"rollout: {err}") from None
 

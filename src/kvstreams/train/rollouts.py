@@ -128,7 +128,9 @@ def evaluation_plan(cfg: Config, n: int, greedy: bool, samples: int = 1) -> Epis
 
 
 def single_turn(cfg: Config) -> bool:
-    return is_single_turn(cfg.rollout.env) or cfg.rollout.policy is not None
+    """One prompt, one reply (the single-turn engine); a multi-turn environment runs episodes, with its
+    policy, if any, compressing inside them."""
+    return is_single_turn(cfg.rollout.env)
 
 
 class RolloutSource:
@@ -197,6 +199,7 @@ class RolloutSource:
             block_size=r.block_size,
             max_reply_tokens=r.max_reply_tokens,
             weights_version=self.version,
+            policy=make_policy(r.policy, **r.policy_args) if r.policy else None,
         )
         results, stats = runner.run(
             envs, env_seeds, on_step=on_step, progress=progress, sample_seeds=sample_seeds

@@ -1,0 +1,123 @@
+"""Compression inside multi-turn streams: an eviction policy running under a budget in a
+:class:`~kvstreams.engine.stream.StreamSession`, alongside (or without) compaction.
+
+The policy only *scores* entries (:meth:`EvictionPolicy.score`, per layer and KV head, as in
+:class:`~kvstreams.engine.engine.RolloutEngine`); :class:`StreamBudget` says *when* a round fires and
+*how many* entries it keeps -- the split kvpress makes between a press's ``score`` and its
+``DecodingPress`` wrapper. Rounds run after a forward's attention, per layer, inside the forward (the
+keys are at hand there); every entry a round drops gets its ``death`` = the next query's index, the
+same record compaction writes, so the learner's replay is unchanged: a trace whose episode was both
+compressed and compacted is replayed exactly like either alone.
+
+How the rounds differ from single-turn :class:`~kvstreams.engine.engine.Schedule`:
+
+- A fixed budget (an entry count per layer and KV head): a round fires after any forward that leaves
+  a row holding ``budget`` or more live entries and keeps ``budget - interval`` of them. A forward
+  feeds a whole chunk at once (an observation, or a reply's tail): its queries attend to everything
+  live plus the chunk, then the round drops the surplus -- the single-turn engine's dense prefill,
+  per chunk. So the KV held between forwards stays below ``budget``, and a chunk adds its length
+  transiently.
+- A share (a float, ``budget_of = "sequence"``): a round fires once the live entries reach
+  ``kept + interval``, where ``kept = ceil(share x tokens fed so far)``, and keeps ``kept``.
+  ``budget_of = "context"`` has no meaning here (a multi-turn episode's length is not known in
+  advance) and is refused.
+- SnapKV's observation window: the queries whose attention counts are the ``window_size`` queries
+  before the round, *predicted* from the budget before each forward (a decode step cannot know
+  whether a later chunk will trigger the round sooner). A chunk that overshoots the predicted round
+  counts its own last ``window_size`` queries, plus any earlier ones already counted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvstreams.errors import KVStreamsError
+from kvstreams.policies import EntryView, EvictionPolicy
+
+
+def choose_kept(
+    policy: EvictionPolicy, view: EntryView, target: torch.Tensor, evicting: torch.Tensor
+) -> torch.Tensor:
+    """[B, H, N] bool: the ``target[b]`` best live entries of every evicting sequence, all live ones else."""
+    live = view.live
+    score = policy.score(view).float()
+    protected = policy.protected(view)
+    if protected is not None:
+        score = score.masked_fill(protected & live, float("inf"))
+    score = score.masked_fill(~live, float("-inf"))
+    order = score.argsort(dim=-1, descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(
+        -1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order)
+    )
+    keep = live & (rank < target[:, None, None])
+    return torch.where(evicting[:, None, None], keep, live)
+
+
+@dataclass
+class RoundPlan:
+    """For one forward, per batch row: whether a round fires after it, and what it keeps."""
+
+    evicting: torch.Tensor  # [b] bool
+    target: torch.Tensor  # [b] entries a round keeps
+    budget: torch.Tensor  # [b] what policies see as the budget (target + interval)
+    query_index: torch.Tensor  # [b] the last query of the row's chunk
+    window_from: torch.Tensor  # [b] queries at or after this index count toward the window statistic
+
+    @property
+    def any(self) -> bool:
+        return bool(self.evicting.any())
+
+
+class StreamBudget:
+    """When rounds fire and how many entries they keep, for a policy in a stream session."""
+
+    def __init__(self, policy: EvictionPolicy) -> None:
+        if not policy.evicts():
+            raise KVStreamsError(f"policy {policy.name!r} evicts nothing: leave it out instead")
+        if isinstance(policy.budget, float) and policy.budget_of == "context":
+            raise KVStreamsError(
+                f"{policy.name}: budget_of = 'context' needs the context length in advance, which a "
+                "multi-turn episode does not have; give an entry count or a per-sequence share"
+            )
+        if isinstance(policy.budget, float) and policy.budget >= 1.0:
+            raise KVStreamsError(f"{policy.name}: a share of 1.0 keeps everything: leave the policy out")
+        if isinstance(policy.budget, int):
+            policy.check_budget(policy.budget)
+        self.policy = policy
+
+    def plan(self, live: torch.Tensor, fed: torch.Tensor, chunk: torch.Tensor) -> RoundPlan:
+        """``live`` [b] entries held before the forward, ``fed`` [b] tokens fed before it, ``chunk``
+        [b] tokens it feeds."""
+        p = self.policy
+        after, fed_after = live + chunk, fed + chunk
+        if isinstance(p.budget, int):
+            target = torch.full_like(live, p.budget - p.interval)
+            evicting = after >= p.budget
+            steps_to_round = (p.budget - live).clamp(min=1)  # tokens until the cache is full
+        else:
+            target = p.kept_at(fed_after).to(live.device)
+            evicting = after >= target + p.interval
+            # tokens k until live + k >= ceil(share x (fed + k)) + interval, ignoring the rounding
+            gap = (fed.double() * p.budget + p.interval - live.double()) / (1.0 - p.budget)
+            steps_to_round = torch.ceil(gap).long().clamp(min=1)
+        last_query = fed_after - 1
+        round_at = torch.minimum(fed + steps_to_round - 1, last_query)
+        window_from = round_at - p.window_size + 1
+        return RoundPlan(evicting, target, target + p.interval, last_query, window_from)
+
+    def keep(self, view: EntryView, plan: RoundPlan) -> torch.Tensor:
+        """[b, H, N] bool: the entries the round keeps (all live ones in rows that do not evict)."""
+        return choose_kept(self.policy, view, plan.target, plan.evicting)
+
+    def describe(self) -> dict:
+        return {**self.policy.describe(), "budget_rule": "stream"}
+
+
+def budget_label(policy: EvictionPolicy) -> str:
+    """The budget as trace metadata: an entry count, or the share as a percentage."""
+    if isinstance(policy.budget, int):
+        return str(policy.budget)
+    return f"{math.floor(policy.budget * 1000) / 10:g}%"
