@@ -64,6 +64,7 @@ def test_rollout_bench_counts_reprefill_and_stream(tmp_path, bench_models):
         points=[Point("tiny", "memory", "sliding_window", 160, episodes=2, turns=8)],
         max_reply_tokens=8,
         kv_turns=[3, 6],
+        compose=[("snapkv", 96)],
     )
     report = bench_rollout(settings, bench_models, tmp_path / "out")
     runs = {r["mode"]: r for r in report.sections[0].rows}
@@ -77,6 +78,9 @@ def test_rollout_bench_counts_reprefill_and_stream(tmp_path, bench_models):
     ratio = report.sections[1].rows[0]
     assert ratio["tokens reprefill/stream"] > 1
     assert ratio["filler b=1"] == 0 and ratio["filler b=16"] > 0
+    (both,) = report.sections[3].rows  # compaction + compression, next to compaction alone
+    assert both["policy"] == "snapkv 96" and both["peak KV entries"] < 96
+    assert both["KV entries rel"] < 1 and both["peak KV entries"] < runs["stream"]["peak KV entries"]
     growth = report.sections[2].rows
     full = [g["peak KV entries"] for g in growth if g["mode"] == "full"]
     assert full[1] > full[0]  # full context grows with the episode

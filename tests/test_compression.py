@@ -45,7 +45,9 @@ def assert_exact(model, traces) -> None:
 def pairs():
     """Every policy inside one strategy, and one policy inside every strategy (every pair: verify)."""
     policies = sorted(p for p in POLICIES if p != "full")
-    return [("markovian", p) for p in policies] + [(s, "snapkv") for s in sorted(STRATEGIES) if s != "markovian"]
+    return [("markovian", p) for p in policies] + [
+        (s, "snapkv") for s in sorted(STRATEGIES) if s != "markovian"
+    ]
 
 
 @pytest.mark.parametrize(("strategy", "policy"), pairs())
@@ -88,7 +90,7 @@ def test_reprefill_segments_under_compression_replay_exactly(qwen):
 
 
 def test_a_per_sequence_share_keeps_that_share_of_the_stream(qwen):
-    results, stats = episodes(qwen, "markovian", "knorm", budget=0.5)
+    results, _ = episodes(qwen, "markovian", "knorm", budget=0.5)
     traces = [t for r in results for t in r.traces]
     assert_exact(qwen[0], traces)
     for t in traces:  # at the end, about half of what was fed and not compacted is still live

@@ -172,7 +172,11 @@ class EpisodeRunner:
         if self.strategy is not None:
             self.strategy = self.strategy.with_budget(envs[0].context_budget)
         self.session = StreamSession(
-            self.model, len(envs), weights_version=self.weights_version, policy=self.policy, seed=self.sampling.seed
+            self.model,
+            len(envs),
+            weights_version=self.weights_version,
+            policy=self.policy,
+            seed=self.sampling.seed,
         )
         self.tokens_filler = 0
         episodes = [

@@ -47,6 +47,9 @@ class RolloutBenchSettings:
     kv_turns: list[int] = field(default_factory=list)  # episode lengths of the KV-growth check (tiny)
     kv_episodes: int = 2
     full_context: bool = True  # also play each point's episodes with the full context (no compaction)
+    # (policy, budget) pairs compressing inside each tiny model's stream runs: compaction alone vs
+    # compaction + compression, same seeds (kvstreams.engine.compression)
+    compose: list[tuple[str, float | int]] = field(default_factory=list)
     seed: int = 0
 
     def on_model(self, model: str) -> RolloutBenchSettings:
@@ -66,6 +69,7 @@ class RolloutBenchSettings:
                 ],
                 max_reply_tokens=8,
                 kv_turns=[4, 8],
+                compose=[("snapkv", 96)],
             )
         tiny = [Point("tiny", "memory", s) for s in ("sliding_window", "markovian")]
         # bridges make these two slow on a random model (every summary runs to its token limit)
@@ -80,7 +84,8 @@ class RolloutBenchSettings:
             Point("small", "memory", "sliding_window", 768, episodes=4, turns=20),
             Point("small", "memory", "markovian", episodes=4, turns=16),
         ]
-        return cls(points=tiny + small, kv_turns=[10, 20, 40, 80], kv_episodes=1)
+        compose = [("snapkv", 128), ("h2o", 128), ("streaming_llm", 128), ("snapkv", 0.5)]
+        return cls(points=tiny + small, kv_turns=[10, 20, 40, 80], kv_episodes=1, compose=compose)
 
     @classmethod
     def curve(cls, quick: bool = False) -> RolloutBenchSettings:
@@ -110,13 +115,21 @@ def _env_args(env: str, turns: int) -> dict[str, Any]:
 
 
 def play(
-    model, tokenizer, point: Point, mode: str, settings: RolloutBenchSettings, block_size: int = 1
+    model,
+    tokenizer,
+    point: Point,
+    mode: str,
+    settings: RolloutBenchSettings,
+    block_size: int = 1,
+    policy: tuple[str, float | int] | None = None,
 ) -> dict[str, Any]:
-    """Play ``episodes`` episodes of ``point`` in ``mode``; one row of figures."""
+    """Play ``episodes`` episodes of ``point`` in ``mode`` (with ``policy`` = (name, budget)
+    compressing inside them, if given); one row of figures."""
     from kvstreams.compaction import make_strategy
     from kvstreams.engine.sampling import SamplingParams
     from kvstreams.envs import make_env
     from kvstreams.episodes import EpisodeRunner
+    from kvstreams.policies import make_policy
 
     strategy = None
     if mode != "full":
@@ -132,6 +145,7 @@ def play(
         sampling=SamplingParams(temperature=1.0, seed=settings.seed),
         block_size=block_size,
         max_reply_tokens=settings.max_reply_tokens,
+        policy=make_policy(policy[0], budget=policy[1]) if policy else None,
     )
     _, st = runner.run(envs, [settings.seed + i for i in range(episodes)])
     budget = runner.strategy.budget_tokens if runner.strategy is not None else None
@@ -144,6 +158,7 @@ def play(
         "strategy": point.label if mode != "full" else "-",
         "B": budget,
         "mode": mode,
+        "policy": f"{policy[0]} {policy[1]}" if policy else "-",
         "block": block_size,
         "episodes": episodes,
         "compactions/ep": st.compactions / episodes,
@@ -194,6 +209,13 @@ def bench_rollout(settings: RolloutBenchSettings, models_dir: str | Path, out_di
         "peak KV vs episode length (tiny, memory, sliding_window)",
         ("mode", "turns", "trace tokens", "peak KV entries", "peak KV MB"),
     )
+    compose = report.section(
+        "compaction alone vs compaction + compression (tiny, stream mode, same seeds)",
+        COMPOSE_COLUMNS,
+        note="policy: name and budget (entries per layer and KV head, or a share of the tokens fed); "
+        "peak KV entries: most live entries of any row between forwards; peak KV MB: K/V allocated, which "
+        "includes a chunk's transient entries; relative figures: over the same point's compaction alone",
+    )
     models: dict[str, Any] = {}
     full_rows: dict[tuple, dict[str, Any]] = {}
 
@@ -205,6 +227,7 @@ def bench_rollout(settings: RolloutBenchSettings, models_dir: str | Path, out_di
     n_full = len({same_episodes(p) for p in settings.points}) if settings.full_context else 0
     n_runs = 2 * len(settings.points) + len(filler_points) + n_full
     n_runs += 2 * len(settings.kv_turns)
+    n_runs += len(settings.compose) * sum(p.model == "tiny" for p in settings.points)
     with progress_bar(n_runs) as step:
         for point in settings.points:
             if point.model not in models:
@@ -230,6 +253,11 @@ def bench_rollout(settings: RolloutBenchSettings, models_dir: str | Path, out_di
             ratios.rows.append(
                 _ratio_row(point, rows["stream"], rows["reprefill"], full_rows.get(key), blocked)
             )
+            for policy in settings.compose if point.model == "tiny" else []:
+                step(f"{name} stream + {policy[0]} {policy[1]}")
+                compose.rows.append(
+                    _compose_row(rows["stream"], play(model, tok, point, "stream", settings, policy=policy))
+                )
         if settings.kv_turns:
             model, tok = models.get("tiny") or load_model(bench_model("tiny", models_dir))
             growth.rows += _kv_growth(model, tok, settings, step)
@@ -237,6 +265,21 @@ def bench_rollout(settings: RolloutBenchSettings, models_dir: str | Path, out_di
     report.plots = _plots(ratios.rows, growth.rows, Path(out_dir))
     report.seconds = time.perf_counter() - started
     return report
+
+
+COMPOSE_COLUMNS = (
+    "env", "strategy", "B", "policy", "compactions/ep", "tokens fwd", "peak KV entries", "KV entries rel",
+    "peak KV MB", "KV MB rel", "seconds", "seconds rel",
+)  # fmt: skip
+
+
+def _compose_row(alone: dict[str, Any], both: dict[str, Any]) -> dict[str, Any]:
+    """A stream run with compression inside it, next to the same point's compaction alone."""
+    row = {k: both[k] for k in COMPOSE_COLUMNS if k in both}
+    rel = {"KV entries rel": "peak KV entries", "KV MB rel": "peak KV MB", "seconds rel": "seconds"}
+    for name, key in rel.items():
+        row[name] = both[key] / alone[key] if alone[key] else None
+    return row
 
 
 def _ratio_row(point: Point, s: dict, r: dict, f: dict | None, blocked: dict | None) -> dict[str, Any]:

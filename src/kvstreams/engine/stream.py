@@ -101,7 +101,9 @@ class ChunkStep(AttentionContext):
             keep = self.compression.keep(view, plan)
             cache.evict_rows(layer, (index >= 0) & ~keep, rows, evicted_before(plan.query_index + 1))
             if cache.window is not None:  # a new observation window starts after a round
-                reset = cache.window[layer].index_select(0, rows).masked_fill(plan.evicting[:, None, None], 0.0)
+                reset = (
+                    cache.window[layer].index_select(0, rows).masked_fill(plan.evicting[:, None, None], 0.0)
+                )
                 cache.window[layer].index_copy_(0, rows, reset)
         return out
 
@@ -151,7 +153,9 @@ class StreamSession:
         self.compression = StreamBudget(policy) if policy is not None else None
         self.generator = torch.Generator(device=device).manual_seed(seed)  # for random policies
         track = policy.needs if policy is not None else frozenset()
-        self.cache = SlotCache(self.shape, n_rows, initial_capacity, initial_length, model.dtype, device, track)
+        self.cache = SlotCache(
+            self.shape, n_rows, initial_capacity, initial_length, model.dtype, device, track
+        )
         self.records = [Record() for _ in range(n_rows)]
         self.weights_version = weights_version  # the weights version; appended tokens record it
         self.counters = SessionCounters(kv_peak_bytes=self.cache.kv_bytes)
@@ -203,7 +207,13 @@ class StreamSession:
         subset = None if every_row and self.compression is None else torch.tensor(rows, device=self.device)
         plan = self._round_plan(rows, chunks) if self.compression is not None else None
         step = ChunkStep(
-            self.cache, write.to(self.device), query.to(self.device), subset, self.compression, plan, self.generator
+            self.cache,
+            write.to(self.device),
+            query.to(self.device),
+            subset,
+            self.compression,
+            plan,
+            self.generator,
         )
         with step:
             logits = self.model(

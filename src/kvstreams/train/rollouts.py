@@ -9,7 +9,6 @@ compression ``policy``) through :class:`~kvstreams.engine.RolloutEngine`. Seeds 
 from __future__ import annotations
 
 import math
-
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
