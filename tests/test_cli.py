@@ -313,7 +313,10 @@ def test_verify_strategies(model_dirs, tmp_path):
     ("argv", "message"),
     [
         (["rollout", "--mode", "reprefill"], "needs --strategy"),
-        (["rollout", "--strategy", "summary", "--policy", "h2o", "--policy-arg", "budget_of=context"], "context"),
+        (
+            ["rollout", "--strategy", "summary", "--policy", "h2o", "--policy-arg", "budget_of=context"],
+            "context",
+        ),
         (["rollout", "--strategy", "nope"], "unknown compaction strategy"),
         (["rollout", "--strategy", "summary", "--env", "chess"], "unknown environment"),
         (["rollout", "--strategy", "markovian", "--compact-budget", "40"], "not below the budget"),

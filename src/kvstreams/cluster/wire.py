@@ -36,7 +36,14 @@ def batch_to_wire(batch: RolloutBatch) -> dict[str, Any]:
 
 def batch_from_wire(payload: dict[str, Any], where: str = "rollout worker") -> RolloutBatch:
     """The batch :func:`batch_to_wire` sent; anything but the expected keys and types is an error."""
-    if not isinstance(payload, dict) or set(payload) != {"traces", "samples", "rewards", "errors", "outcomes", "cost"}:
+    if not isinstance(payload, dict) or set(payload) != {
+        "traces",
+        "samples",
+        "rewards",
+        "errors",
+        "outcomes",
+        "cost",
+    }:
         raise KVStreamsError(f"{where}: not a rollout batch")
     traces, rows = payload["traces"], payload["samples"]
     if not all(isinstance(t, bytes) for t in traces) or len(traces) != len(rows):
@@ -56,8 +63,7 @@ def batch_from_wire(payload: dict[str, Any], where: str = "rollout worker") -> R
         raise KVStreamsError(f"{where}: the cost must be numbers")
     outcomes = payload["outcomes"]
     if not all(
-        isinstance(o, dict)
-        and all(isinstance(k, str) and isinstance(v, float) for k, v in o.items())
+        isinstance(o, dict) and all(isinstance(k, str) and isinstance(v, float) for k, v in o.items())
         for o in outcomes
     ):
         raise KVStreamsError(f"{where}: outcomes must map names to floats")

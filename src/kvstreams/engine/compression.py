@@ -112,9 +112,6 @@ class StreamBudget:
         """[b, H, N] bool: the entries the round keeps (all live ones in rows that do not evict)."""
         return choose_kept(self.policy, view, plan.target, plan.evicting)
 
-    def describe(self) -> dict:
-        return {**self.policy.describe(), "budget_rule": "stream"}
-
 
 def budget_label(policy: EvictionPolicy) -> str:
     """The budget as trace metadata: an entry count, or the share as a percentage."""

@@ -62,7 +62,7 @@ class RolloutBatch:
         failed = self.failed()
         values: dict[str, list[float]] = {}
         for outcome, bad in zip(self.outcomes, failed, strict=False):
-            for key, value in ([] if bad else outcome.items()):
+            for key, value in [] if bad else outcome.items():
                 values.setdefault(key, []).append(value)
         return {f"{prefix}{k}": sum(v) / len(v) for k, v in sorted(values.items())}
 
@@ -70,9 +70,7 @@ class RolloutBatch:
 def numeric_outcomes(info: dict) -> dict[str, float]:
     """The numbers of an episode's info (bools as 0/1): what :meth:`RolloutBatch.outcome_means` logs."""
     return {
-        str(k): float(v)
-        for k, v in info.items()
-        if isinstance(v, int | float) and math.isfinite(float(v))
+        str(k): float(v) for k, v in info.items() if isinstance(v, int | float) and math.isfinite(float(v))
     }
 
 
