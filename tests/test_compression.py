@@ -150,3 +150,20 @@ def test_a_bad_budget_is_a_config_error():
                 'rollout.policy_args={budget = 0.5, budget_of = "context"}',
             ],
         )
+
+
+def test_a_budget_that_never_binds_gives_the_traces_of_compaction_alone(qwen):
+    """The compressing path (rows always explicit, a round plan per forward) samples exactly what
+    compaction alone samples when no round fires: same tokens, log-probs and death record."""
+    model, tok = qwen
+    out = []
+    for policy in (None, make_policy("recent", budget=100_000)):
+        runner = EpisodeRunner(
+            model, tok, make_strategy("markovian"), sampling=SamplingParams(seed=0), policy=policy
+        )
+        results, _ = runner.run([make_env("memory") for _ in range(2)], [1, 2])
+        out.append([t for r in results for t in r.traces])
+    for a, b in zip(*out, strict=True):
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.death, b.death)
+        assert torch.equal(a.sampler_logprobs.nan_to_num(), b.sampler_logprobs.nan_to_num())
+        assert b.metadata["policy"] == "recent" and b.n_evicted == a.n_evicted
