@@ -17,22 +17,15 @@ from kvstreams.replay import replay_logprobs
 from kvstreams.train.config import load_config
 from kvstreams.train.rollouts import RolloutSource
 from kvstreams.verify import Agreement
+from test_episodes import run as run_episodes
 
 BUDGET = 48  # entries per layer and KV head: well below what the compaction strategies keep live
 SCORED = {"h2o", "knorm", "random", "snapkv"}  # policies whose choices differ between heads
 
 
 def episodes(qwen, strategy: str | None, policy: str, mode: str = "stream", budget=BUDGET, n: int = 2):
-    model, tok = qwen
-    runner = EpisodeRunner(
-        model,
-        tok,
-        make_strategy(strategy) if strategy else None,
-        mode=mode,
-        sampling=SamplingParams(seed=0),
-        policy=make_policy(policy, budget=budget, interval=4),
-    )
-    return runner.run([make_env("memory") for _ in range(n)], list(range(1, n + 1)))
+    """test_episodes' episodes (memory, seeds 1..n, sampling seed 0) with ``policy`` compressing."""
+    return run_episodes(qwen, strategy, mode, n=n, policy=make_policy(policy, budget=budget, interval=4))
 
 
 def assert_exact(model, traces) -> None:
