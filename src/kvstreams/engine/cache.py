@@ -171,7 +171,8 @@ class SlotCache:
 
     def evict_range(self, row: int, start: int, end: int, at: int) -> int:
         """Evict sequence ``row``'s live entries with trace index in [start, end) from every layer and
-        head; they die at query ``at``. Returns how many (per layer and head) were live."""
+        head; they die at query ``at``. Returns how many were live in layer 0, head 0 (under
+        compression, heads may hold different entries)."""
         index = self.index[:, row]  # [L, H, S]
         hit = (index >= start) & (index < end)
         n = int(hit[0, 0].sum())
