@@ -434,3 +434,21 @@ def test_the_report_gives_pass_at_1_and_pass_at_k_before_and_after_and_the_paire
     assert row["start eval/pass@1"]["mean"] == pytest.approx(0.25)
     assert row["final eval/pass@8"]["mean"] == 1.0
     assert row["pass@1 gain"]["mean"] == pytest.approx(0.5) and row["pass@1 gain"]["n"] == 2
+
+
+def test_recall_memory_quick_evaluates_each_arm_without_training(tmp_path):
+    out = tmp_path / "recall"
+    assert main(["experiment", "recall-memory", "--quick", "--out", str(out)]) == 0
+    runs = _runs(out)
+    assert set(runs) == {"markovian", "recall-archive", "recall-recompute", "full"}
+    for run in runs.values():
+        assert run["start"] == {} and run["curve"] == []  # one evaluation, nothing trained
+        assert {"eval/reward_mean", "eval/kv/visible_max_mean", "eval/recalls_per_episode"} <= set(
+            run["final"]
+        )
+    assert runs["markovian"]["final"]["eval/recalls_per_episode"] == 0.0
+    assert not (out / "runs" / "markovian" / "seed-0" / "checkpoints").exists()
+    # compaction holds less than full context; recall may add back, never beyond full context
+    held = {name: run["final"]["eval/kv/visible_max_mean"] for name, run in runs.items()}
+    assert held["markovian"] < held["full"] and held["recall-archive"] <= held["full"]
+    assert (out / "reward_main.png").is_file() and "final vs reference" in (out / "results.md").read_text()

@@ -187,6 +187,20 @@ def _add_episode_args(p: argparse.ArgumentParser, repeat_strategy: bool = False)
         help="strategy option (repeatable)",
     )
     g.add_argument(
+        "--recall",
+        default=None,
+        choices=["lexical"],
+        help="bring deleted units back when an observation asks for them (lexical: IDF word overlap)",
+    )
+    g.add_argument(
+        "--recall-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="recall option (repeatable): how=archive (stream: K/V put back) or how=recompute, "
+        "min_score, max_units, max_tokens",
+    )
+    g.add_argument(
         "--block-size", type=_positive(int), default=1, help="pad turns to blocks of this many tokens"
     )
     g.add_argument("--max-reply-tokens", type=_positive(int), default=64, help="longest model reply per turn")
@@ -512,7 +526,17 @@ def _runner_options(args) -> dict:
         "block_size": args.block_size,
         "max_reply_tokens": args.max_reply_tokens,
         "model_name": str(args.model),
+        "recall": _recall(args),
     }
+
+
+def _recall(args):
+    """The ``--recall`` (None without one), built before any model loads."""
+    if not args.recall:
+        return None
+    from kvstreams.compaction.recall import make_recall
+
+    return make_recall(args.recall, **_key_value_args(args.recall_arg, "--recall-arg"))
 
 
 def _seeds(args) -> list[int]:
@@ -605,6 +629,7 @@ def _rollout_policy(args) -> int:
 
 def _rollout_episodes(args) -> int:
     from kvstreams.atomic import write_json
+    from kvstreams.compaction.recall import check_mode
     from kvstreams.episodes import EpisodeRunner
     from kvstreams.rollout_summary import episode_summary, save_episode_traces
 
@@ -613,6 +638,7 @@ def _rollout_episodes(args) -> int:
         raise KVStreamsError(f"--mode {mode} needs --strategy")
     strategy = _strategy(args.strategy, args) if args.strategy else None
     policy = _stream_policy(args.policy, args) if args.policy else None  # compression inside the episodes
+    check_mode(_recall(args), mode)
     envs = _envs(args, args.episodes)
     out = Path(args.out)
     _check_out(out, traces=True)
@@ -710,7 +736,7 @@ def _check_strategies(args, model, tokenizer, strategies, params) -> list:
     options, seeds = _runner_options(args), _seeds(args)
     checks = []
     for strategy, policy in strategies:
-        name = strategy.name if policy is None else f"{strategy.name}+{policy.name}"
+        name = "+".join(x.name for x in (strategy, policy, options["recall"]) if x is not None)
         with _progress(f"verify {name}", None) as advance:
             checks.append(
                 check_strategy(
@@ -736,9 +762,8 @@ def _verify_floor(args, model, tokenizer, params, prompts, checks):
 
     with _progress("verify floor", None):
         envs = None if prompts is not None else _envs(args, args.episodes)
-        full = unevicted_traces(
-            model, tokenizer, params, prompts, envs, _seeds(args), **_runner_options(args)
-        )
+        options = {**_runner_options(args), "recall": None}  # nothing is deleted: nothing to recall
+        full = unevicted_traces(model, tokenizer, params, prompts, envs, _seeds(args), **options)
         return floor_and_rounding(model, checks, full, args.backend)
 
 

@@ -40,6 +40,9 @@ class RolloutCost:
     decode_seconds: float = 0.0  # time in those forwards
     chunk_seconds: float = 0.0  # time in forwards of longer chunks (prompts, observations, re-prefills)
     observations_truncated: int = 0  # observations cut to fit the KV budget
+    recalls: int = 0  # deleted units brought back (compaction.recall)
+    tokens_recalled: int = 0  # their tokens (restored from the archive, or fed again to recompute)
+    kv_archive_peak_bytes: int = 0  # most K/V bytes held in the recall archive (beside the cache)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -71,6 +74,7 @@ def rollout_cost(
         tokens_reprefilled=counters.tokens_reprefilled,
         kv_peak_entries=counters.kv_peak_entries,
         kv_peak_bytes=counters.kv_peak_bytes,
+        kv_archive_peak_bytes=counters.archive_peak_bytes,
         compactions=len(events),
         reward_mean=sum(rewards) / len(rewards),
         decode_tokens=counters.decode_tokens,
@@ -107,7 +111,8 @@ def merge_costs(parts: Sequence[RolloutCost]) -> RolloutCost:
     total = RolloutCost()
     for name in ("episodes", "tokens_forwarded", "tokens_reprefilled", "tokens_filler", "tokens_trace",
                  "kv_peak_bytes", "compactions", "tokens_first_fill", "decode_tokens",
-                 "observations_truncated"):  # fmt: skip
+                 "observations_truncated", "recalls", "tokens_recalled",
+                 "kv_archive_peak_bytes"):  # fmt: skip
         setattr(total, name, sum(getattr(p, name) for p in parts))
     total.kv_peak_entries = max((p.kv_peak_entries for p in parts), default=0)
     total.decode_seconds = round(sum(p.decode_seconds for p in parts), 3)

@@ -10,6 +10,10 @@ bridges). When the strategy fires, the oldest live units after the head are dele
   tokens (positions from 0), which are prefilled again. An episode becomes several segments.
 - ``full``: no compaction (the reference).
 
+With a :class:`~kvstreams.compaction.recall.Recall`, a deleted unit can come back before an
+observation joins the context (``stream``: its archived K/V are put back at their positions;
+``recompute``, or ``reprefill`` mode: its tokens are fed again as a new unit).
+
 Episodes run in lockstep batches: all of them generate a reply at once (batched decode), then each
 gets its environment step; an environment that raises, or an episode that exceeds its limits, ends
 that episode with reward 0 and a reason, and the batch goes on.
@@ -28,6 +32,7 @@ import torch
 
 from kvstreams.chat import ChatFormat
 from kvstreams.compaction import Bridge, CompactionStrategy, Reason, UnitKind, UnitView, live_turns
+from kvstreams.compaction.recall import Recall, check_mode
 from kvstreams.cost import RolloutCost, rollout_cost
 from kvstreams.engine.compression import StreamBudget, budget_label
 from kvstreams.engine.sampling import SamplingParams, sample
@@ -61,6 +66,15 @@ class Unit:
 
 
 @dataclass
+class Deleted:
+    """A unit compaction deleted, kept for recall: the unit (its span in the current trace, in stream
+    mode) and its tokens."""
+
+    unit: Unit
+    tokens: list[int]
+
+
+@dataclass
 class Episode:
     index: int
     seed: int
@@ -83,6 +97,8 @@ class Episode:
     started: float = field(default_factory=time.perf_counter)
     error: str | None = None
     observations_truncated: int = 0  # observations cut to fit the KV budget (_fit_observation)
+    deleted: list[Deleted] = field(default_factory=list)  # what recall may bring back, oldest first
+    recalls: list[dict[str, Any]] = field(default_factory=list)  # recall events
 
     @property
     def live_tokens(self) -> int:
@@ -115,11 +131,13 @@ class EpisodeRunner:
         model_name: str = "",
         weights_version: int = 0,
         policy: EvictionPolicy | None = None,
+        recall: Recall | None = None,
     ) -> None:
         if mode not in COMPACTION_MODES:
             raise KVStreamsError(f"unknown mode {mode!r}; choose one of {', '.join(COMPACTION_MODES)}")
         if mode != "full" and strategy is None:
             raise KVStreamsError(f"mode {mode!r} needs a compaction strategy")
+        check_mode(recall, mode)
         if block_size < 1:
             raise KVStreamsError(f"block_size must be >= 1, got {block_size}")
         if max_reply_tokens < 1:
@@ -144,6 +162,7 @@ class EpisodeRunner:
         self.marker_tokens: list[int] = []
         if strategy is not None and strategy.bridge == Bridge.MARKER:
             self.marker_tokens = self.chat.encode(strategy.bridge_marker())
+        self.recall = recall
         self.session: StreamSession | None = None
         self.tokens_filler = 0
 
@@ -391,8 +410,30 @@ class EpisodeRunner:
 
     def _continue(self, ep: Episode, incoming: list[int]) -> None:
         if incoming:
+            if self.recall is not None:
+                self._recall(ep, incoming)
             self._add_unit(ep, UnitKind.ENV, incoming)
         self._start_reply(ep)
+
+    def _recall(self, ep: Episode, incoming: list[int]) -> None:
+        """Bring back the deleted units the recall chooses for the observation ``incoming``: their
+        archived K/V (``archive``: the unit is live again where it was) or their tokens fed again as a
+        new unit (``recompute``)."""
+        assert self.session is not None and self.recall is not None
+        candidates = [d for d in ep.deleted if len(d.tokens) <= self.recall.max_tokens]
+        texts = [self.chat.decode(d.tokens) for d in candidates]
+        for i in self.recall.choose(texts, self.chat.decode(incoming)):
+            d = candidates[i]
+            ep.deleted.remove(d)
+            if self.recall.how == "archive":
+                self.session.recall(ep.index, d.unit.start, d.unit.end)
+                d.unit.live, span = True, [d.unit.start, d.unit.end]
+            else:
+                unit = self._add_unit(ep, d.unit.kind, d.tokens)
+                span = [unit.start, unit.end]
+            ep.recalls.append(
+                {"step": ep.turns, "span": span, "tokens": len(d.tokens), "how": self.recall.how}
+            )
 
     def _marker_end(self, ep: Episode, reply: Unit) -> int | None:
         """Trace index right after the marker in the reply, if the model wrote one."""
@@ -415,7 +456,7 @@ class EpisodeRunner:
         session, row = self.session, ep.index
         live_before = ep.live_tokens  # the context at its peak: B in the closed form N * r / (B - r)
         if not ep.compactions:
-            ep.first_fill = session.records[row].fed
+            ep.first_fill = session.fed(row)
         doomed, bridge = self._doomed(ep, reason, n_delete, bridge_from)
         deleted = [[u.start, u.end] for u in doomed]
         for u in doomed:
@@ -428,8 +469,11 @@ class EpisodeRunner:
             "bridge": [bridge.start, bridge.end] if bridge else None,
             "live_before": live_before,
         }
+        if self.recall is not None:  # what recall may bring back (read before re-prefill drops it)
+            ep.deleted += [Deleted(u, session.tokens(row, u.start, u.end)) for u in doomed if u.length > 0]
         if self.mode == "stream":
-            session.delete(row, [(start, end) for start, end in deleted])
+            archive = self.recall is not None and self.recall.how == "archive"
+            session.delete(row, [(start, end) for start, end in deleted], archive=archive)
             event["retained"] = ep.live_tokens
         else:
             self._restart_from_kept(ep, event)
@@ -463,8 +507,7 @@ class EpisodeRunner:
         units' tokens, with positions from 0, which the next forward prefills again."""
         assert self.session is not None
         kept = [u for u in ep.units if u.live and u.length > 0]
-        tokens = self.session.records[ep.index].tokens
-        retained = [t for u in kept for t in tokens[u.start : u.end]]
+        retained = [t for u in kept for t in self.session.tokens(ep.index, u.start, u.end)]
         event["retained"] = len(retained)
         ep.segments.append(self.session.restart(ep.index, retained, self._meta(ep, events=[event])))
         offset = 0
@@ -499,7 +542,14 @@ class EpisodeRunner:
             "segment": str(len(ep.segments)),
             "block_size": str(self.block_size),
             "events": json.dumps(events),
+            **self._recall_meta(ep),
         }
+
+    def _recall_meta(self, ep: Episode) -> dict[str, str]:
+        """The recall's settings and the episode's recall events so far, on traces of recalling runs."""
+        if self.recall is None:
+            return {}
+        return {"recall": json.dumps(self.recall.describe()), "recall_events": json.dumps(ep.recalls)}
 
     def _policy_meta(self) -> dict[str, str]:
         """The compression's settings, on traces of compressed episodes only."""
@@ -518,4 +568,6 @@ class EpisodeRunner:
             tokens_trace=sum(len(t) for ep in episodes for t in ep.segments),
             seconds=round(seconds, 3),
             observations_truncated=sum(ep.observations_truncated for ep in episodes),
+            recalls=sum(len(ep.recalls) for ep in episodes),
+            tokens_recalled=sum(e["tokens"] for ep in episodes for e in ep.recalls),
         )

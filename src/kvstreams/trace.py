@@ -6,6 +6,8 @@ Saved as ONE ``.safetensors`` file; the tensor names and metadata keys below are
 - ``tokens`` int64 [T], ``positions`` int64 [T] (the RoPE position each KV entry was written with)
 - ``death`` int32 [L or 1, H_kv or 1, T]: trace index of the first query that can no longer see entry
   j (T if never evicted). ``visible(q, j) <=> j <= q < death[l, h, j]`` (:mod:`kvstreams.visibility`).
+- optional ``recalls`` int32 [L or 1, H_kv or 1, T, K, 2] (format ``kvstreams-trace/2``): further
+  intervals [start, end) over which a recalled entry is visible again; (0, 0) is no interval.
 - ``sampled_mask`` bool [T], ``loss_mask`` bool [T], ``sampler_logprobs`` float32 [T] (NaN where not
   sampled), optional ``weights_version`` int32 [T]
 - metadata: ``format`` = ``kvstreams-trace/1``, ``temperature``, ``policy``, ``mode``, ``model``, ...
@@ -29,6 +31,9 @@ from kvstreams.atomic import atomic_write
 from kvstreams.errors import TraceFormatError
 
 FORMAT = "kvstreams-trace/1"
+#: traces with recall intervals: readers of /1 refuse them rather than replay them without the recalls
+FORMAT_RECALL = "kvstreams-trace/2"
+FORMATS = (FORMAT, FORMAT_RECALL)
 REQUIRED_METADATA = ("format", "temperature", "policy", "mode", "model")
 MODES = ("stream", "reprefill", "full")
 DIGEST = "digest"
@@ -41,8 +46,9 @@ _DTYPES = {
     "loss_mask": torch.bool,
     "sampler_logprobs": torch.float32,
     "weights_version": torch.int32,
+    "recalls": torch.int32,
 }
-_OPTIONAL = ("weights_version",)
+_OPTIONAL = ("weights_version", "recalls")
 #: tensors that had another name in earlier files (read under the new one)
 _FORMER_NAMES = {"policy_version": "weights_version"}
 
@@ -57,6 +63,7 @@ class Trace:
     sampler_logprobs: torch.Tensor
     metadata: dict[str, str] = field(default_factory=dict)
     weights_version: torch.Tensor | None = None
+    recalls: torch.Tensor | None = None
 
     @classmethod
     def from_record(
@@ -68,19 +75,27 @@ class Trace:
         logprobs: list[float],
         versions: list[int],
         metadata: dict[str, str],
+        recalls: torch.Tensor | None = None,
     ) -> Trace:
         """A stream trace from what an engine recorded. ``death`` is the engine's [L, H, >= T] buffer,
-        whose never-evicted entries hold a sentinel above T; positions are the trace indices."""
+        whose never-evicted entries hold a sentinel above T; positions are the trace indices.
+        ``recalls`` [L, H, >= T, K, 2]: the recall intervals, if the engine recalled anything."""
         T = len(tokens)
+        death = visibility.at_end(death, T).cpu()
+        if recalls is not None:
+            recalls = visibility.recalls_at_end(recalls, T).cpu()
+            recalls = recalls if bool((recalls[..., 0] < recalls[..., 1]).any()) else None
+        death, recalls = compact_record(death, recalls)
         return cls(
             tokens=torch.tensor(tokens, dtype=torch.long),
             positions=torch.arange(T, dtype=torch.long),
-            death=compact_death(visibility.at_end(death, T).cpu()),
+            death=death,
             sampled_mask=torch.tensor(sampled, dtype=torch.bool),
             loss_mask=torch.tensor(loss, dtype=torch.bool),
             sampler_logprobs=torch.tensor(logprobs, dtype=torch.float32),
             weights_version=torch.tensor(versions, dtype=torch.int32),
-            metadata={"format": FORMAT, **metadata},
+            metadata={"format": FORMAT if recalls is None else FORMAT_RECALL, **metadata},
+            recalls=recalls,
         )
 
     # --- accessors --------------------------------------------------------------------------------
@@ -113,16 +128,27 @@ class Trace:
             )
         return self.death.expand(n_layers, n_kv_heads, T)
 
+    def recalls_for(self, n_layers: int, n_kv_heads: int) -> torch.Tensor | None:
+        """``recalls`` broadcast to [n_layers, n_kv_heads, T, K, 2] (None without recalls)."""
+        if self.recalls is None:
+            return None
+        self.death_for(n_layers, n_kv_heads)  # the same shape check
+        return self.recalls.expand(n_layers, n_kv_heads, *self.recalls.shape[2:])
+
     def visible(self, layer: int = 0, head: int = 0) -> torch.Tensor:
         """Dense [T, T] bool visibility of one layer and KV head (for inspection and tests)."""
-        return visibility.dense(
-            self.death[min(layer, self.death.shape[0] - 1), min(head, self.death.shape[1] - 1)]
-        )
+        at = (min(layer, self.death.shape[0] - 1), min(head, self.death.shape[1] - 1))
+        return visibility.dense(self.death[at], None if self.recalls is None else self.recalls[at])
+
+    def visible_to(self, query: int) -> torch.Tensor:
+        """bool [L or 1, H or 1, T]: which entries ``query`` sees, per layer and KV head."""
+        j = torch.arange(len(self))
+        return visibility.visible(query, j, self.death, self.recalls)
 
     def visible_counts(self) -> torch.Tensor:
         """[L or 1, H or 1, T]: how many entries query q sees, per layer and KV head (the KV cache it
         needed when it was computed)."""
-        return visibility.visible_counts(self.death)
+        return visibility.visible_counts(self.death, self.recalls)
 
     def kv_saving(self) -> float:
         """The realised KV saving of the sampled tokens' queries, SMD's "Toks. saving" (Table 6):
@@ -138,6 +164,11 @@ class Trace:
     def n_evicted(self) -> int:
         """Entries evicted before the end of the trace (counted over all layers and heads)."""
         return int((self.death < len(self)).sum())
+
+    @property
+    def n_recalled(self) -> int:
+        """Recall intervals: times an entry came back after an eviction (over the stored layers and heads)."""
+        return 0 if self.recalls is None else int((self.recalls[..., 0] < self.recalls[..., 1]).sum())
 
     # --- checks ------------------------------------------------------------------------------------
     def validate(self) -> None:
@@ -186,6 +217,8 @@ class Trace:
             )
         if bool((self.death > T).any()):
             raise TraceFormatError(f"trace death values exceed the trace length {T}")
+        if self.recalls is not None:
+            self._check_recalls()
         if bool((self.positions < 0).any()):
             raise TraceFormatError("trace positions must be >= 0")
         if bool(self.sampled_mask[0]):
@@ -200,12 +233,38 @@ class Trace:
         if not bool(torch.isnan(lp[~self.sampled_mask]).all()):
             raise TraceFormatError("trace sampler_logprobs must be NaN where sampled_mask is False")
 
+    def _check_recalls(self) -> None:
+        """Recall intervals: shaped like ``death`` plus [K, 2]; each non-empty one starts at or after
+        the previous interval's end (``death`` first) and ends by T; empty ones are (0, 0) and last."""
+        T, r = len(self), self.recalls
+        assert r is not None
+        if r.dim() != 5 or r.shape[:3] != self.death.shape or r.shape[-1] != 2:
+            raise TraceFormatError(
+                f"trace recalls has shape {tuple(r.shape)}, expected {tuple(self.death.shape)} + (K, 2)"
+            )
+        start, end = r[..., 0], r[..., 1]
+        empty = start >= end
+        if bool((empty & ((start != 0) | (end != 0))).any()):
+            raise TraceFormatError("trace recalls: an empty interval must be written (0, 0)")
+        if bool((empty[..., :-1] & ~empty[..., 1:]).any()):
+            raise TraceFormatError("trace recalls: an interval follows an empty one")
+        previous = torch.cat([self.death[..., None], end[..., :-1]], dim=-1)
+        if bool((~empty & ((start < previous) | (end > T))).any()):
+            raise TraceFormatError(
+                "trace recalls: intervals must start at or after the previous one's end and end by T"
+            )
+
     def _check_metadata(self) -> None:
         missing = [k for k in REQUIRED_METADATA if k not in self.metadata]
         if missing:
             raise TraceFormatError(f"trace metadata is missing {', '.join(missing)}")
-        if self.metadata["format"] != FORMAT:
-            raise TraceFormatError(f"trace format is {self.metadata['format']!r}, expected {FORMAT!r}")
+        fmt = self.metadata["format"]
+        if fmt not in FORMATS:
+            raise TraceFormatError(f"trace format is {fmt!r}, expected one of {', '.join(FORMATS)}")
+        if (fmt == FORMAT_RECALL) != (self.recalls is not None):
+            raise TraceFormatError(
+                f"trace format {fmt!r} {'needs' if fmt == FORMAT_RECALL else 'cannot hold'} a recalls tensor"
+            )
         mode = self.metadata["mode"]
         if mode not in MODES:
             raise TraceFormatError(f"trace mode {mode!r} is not one of {', '.join(MODES)}")
@@ -317,8 +376,20 @@ def _metadata_of(data: bytes) -> dict[str, str]:
 
 def compact_death(death: torch.Tensor) -> torch.Tensor:
     """Store [L, H, T] as [1, H, T], [L, 1, T] or [1, 1, T] when it is the same along a dimension."""
-    if bool((death == death[:1]).all()):
-        death = death[:1]
-    if bool((death == death[:, :1]).all()):
-        death = death[:, :1]
-    return death.contiguous()
+    return compact_record(death, None)[0]
+
+
+def compact_record(
+    death: torch.Tensor, recalls: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`compact_death` for ``death`` [L, H, T] and ``recalls`` [L, H, T, K, 2] together: a
+    dimension shrinks to 1 when both are the same along it."""
+    for dim in (0, 1):
+        first = (slice(None),) * dim + (slice(0, 1),)
+        same = bool((death == death[first]).all())
+        if recalls is not None:
+            same = same and bool((recalls == recalls[first]).all())
+        if same:
+            death = death[first]
+            recalls = None if recalls is None else recalls[first]
+    return death.contiguous(), None if recalls is None else recalls.contiguous()

@@ -82,6 +82,7 @@ class Report:
     rounding: float | None = None  # max |float32 learner - float64 learner| on these traces (--floor)
     sampler_rounding: float | None = None  # max |float32 sampler - float64 learner| on these traces
     exact_gap: float | None = None  # max |float64 sampler - float64 learner| on traces sampled in float64
+    recalled_entries: int = 0  # entries seen again after an eviction (recall intervals, stored layers/heads)
 
     @property
     def passed(self) -> bool:
@@ -112,6 +113,7 @@ def report_for(
         eviction_events=sum(events),
         min_events_per_sequence=min(events) if events else 0,
         evicted_entries=sum(t.n_evicted for t in traces),
+        recalled_entries=sum(t.n_recalled for t in traces),
         kv_saving=sum(t.kv_saving() for t in traces) / max(1, len(traces)),
         shadow=Agreement.measure(traces, shadow),
         dense=Agreement.measure(traces, dense),
@@ -147,12 +149,13 @@ def verify_strategy(
     **runner_options,
 ) -> tuple[Report, list[Trace]]:
     """Run episodes in stream mode (one trace each) and replay them. A ``policy`` among the runner
-    options compresses inside the episodes too; the report is named ``strategy+policy``."""
+    options compresses inside the episodes too, a ``recall`` brings deleted units back; the report is
+    named ``strategy+policy+recall`` (those present)."""
     traces, events = stream_episodes(
         model, tokenizer, strategy, envs, seeds, params, progress, **runner_options
     )
-    policy = runner_options.get("policy")
-    name = strategy.name if policy is None else f"{strategy.name}+{policy.name}"
+    parts = (strategy, runner_options.get("policy"), runner_options.get("recall"))
+    name = "+".join(x.name for x in parts if x is not None)  # e.g. markovian+snapkv+lexical
     return report_for(model, name, "strategy", traces, events, backend), traces
 
 
@@ -358,7 +361,8 @@ def table_row(r: Report, floor: Floor | None) -> list[str]:
         r.name,
         str(r.sequences),
         str(r.tokens),
-        f"{r.eviction_events} (min {r.min_events_per_sequence})",
+        f"{r.eviction_events} (min {r.min_events_per_sequence})"
+        + (f", {r.recalled_entries} recalled" if r.recalled_entries else ""),
         f"{r.kv_saving:.1%}",
         f"{r.shadow.max_abs_diff:.1e}",
         f"{r.shadow.mean_abs_diff:.1e}",

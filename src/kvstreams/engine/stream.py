@@ -9,7 +9,10 @@ every retained entry's original K/V and position, is untouched. :meth:`StreamSes
 the standard pipeline's alternative: the row's trace ends and a new one starts from given tokens,
 which are prefilled again with positions from 0. Given an eviction ``policy``, the session also
 compresses: after a forward, a row whose cache reached the budget drops entries per layer and KV head
-(:mod:`kvstreams.engine.compression`), recorded in the same ``death`` record.
+(:mod:`kvstreams.engine.compression`), recorded in the same ``death`` record. A span deleted with
+``archive=True`` can come back: :meth:`StreamSession.recall` puts its archived K/V back into the cache
+(same values, same positions), visible again from the next query; the trace records the new
+interval (``recalls``), so the learner replays the recall exactly as it replays an eviction.
 """
 
 from __future__ import annotations
@@ -129,6 +132,8 @@ class SessionCounters:
     tokens_reprefilled: int = 0  # retained tokens fed again after a restart
     kv_peak_entries: int = 0  # most live entries any row held (per layer and head)
     kv_peak_bytes: int = 0  # most K/V bytes allocated for the batch
+    archive_peak_bytes: int = 0  # most K/V bytes held in the recall archive
+    entries_recalled: int = 0  # entries put back by recall (layer 0, head 0)
     decode_tokens: int = 0  # tokens fed by forwards that fed one token per row (decode steps)
     decode_seconds: float = 0.0
     chunk_seconds: float = 0.0  # forwards that fed a longer chunk to some row (prefill, re-prefill)
@@ -181,6 +186,14 @@ class StreamSession:
 
     def length(self, row: int) -> int:
         return len(self.records[row])
+
+    def tokens(self, row: int, start: int, end: int) -> list[int]:
+        """The token ids of trace span [start, end) of ``row``."""
+        return self.records[row].tokens[start:end]
+
+    def fed(self, row: int) -> int:
+        """How many of ``row``'s tokens are in the cache (the next query's trace index)."""
+        return self.records[row].fed
 
     # --- the model -------------------------------------------------------------------------------
     @torch.no_grad()
@@ -251,17 +264,21 @@ class StreamSession:
         self.weights_version = version
 
     # --- compaction --------------------------------------------------------------------------------
-    def evict(self, row: int, start: int, end: int) -> int:
+    def evict(self, row: int, start: int, end: int, archive: bool = False) -> int:
         """Delete trace span [start, end) of ``row`` in place; returns how many entries were live.
 
-        The next query (the first unfed token) is the first that cannot see them.
+        The next query (the first unfed token) is the first that cannot see them. With ``archive``,
+        their K/V are kept so that :meth:`recall` can put them back.
         """
         rec = self.records[row]
         if end > rec.fed:
             raise ValueError(f"cannot evict [{start}, {end}): only {rec.fed} tokens are in the cache")
-        return self.cache.evict_range(row, start, end, at=evicted_before(rec.fed))
+        n = self.cache.evict_range(row, start, end, at=evicted_before(rec.fed), archive=archive)
+        if archive:
+            self.counters.archive_peak_bytes = max(self.counters.archive_peak_bytes, self.cache.archive_bytes)
+        return n
 
-    def delete(self, row: int, spans: list[tuple[int, int]]) -> None:
+    def delete(self, row: int, spans: list[tuple[int, int]], archive: bool = False) -> None:
         """Delete trace spans of ``row`` in place, the KV-streams way (one continuous cache). Tokens of a
         span not yet in the cache (the tail of a reply just written) are fed first: they were part of
         the context the model saw, so their queries are computed and their entries recorded before
@@ -269,7 +286,20 @@ class StreamSession:
         if spans and max(end for _, end in spans) > self.records[row].fed:
             self.forward([row])
         for start, end in spans:
-            self.evict(row, start, end)
+            self.evict(row, start, end, archive=archive)
+
+    def recall(self, row: int, start: int, end: int) -> int:
+        """Put the archived entries of trace span [start, end) of ``row`` back into the cache, with the K/V
+        (and positions) they were written with; the next query is the first that sees them again.
+        Returns how many came back (layer 0, head 0): entries never archived (or compressed away
+        before the span was deleted) stay deleted."""
+        rec = self.records[row]
+        n = self.cache.recall(row, start, end, at=rec.fed)
+        self.counters.entries_recalled += n
+        live = int((self.cache.index[0] >= 0).sum(-1).max())
+        self.counters.kv_peak_entries = max(self.counters.kv_peak_entries, live)
+        self.counters.kv_peak_bytes = max(self.counters.kv_peak_bytes, self.cache.kv_bytes)
+        return n
 
     def restart(self, row: int, tokens: list[int], meta: dict[str, str]) -> Trace:
         """End the row's trace (returned) and start a new one holding ``tokens`` as context."""
@@ -281,7 +311,8 @@ class StreamSession:
         return trace
 
     def trace(self, row: int, meta: dict[str, str]) -> Trace:
-        rec = self.records[row]
+        rec, cache = self.records[row], self.cache
+        recalls = None if cache.recalls is None else cache.recalls[row]
         return Trace.from_record(
-            rec.tokens, self.cache.death[row], rec.sampled, rec.loss, rec.logprobs, rec.versions, meta
+            rec.tokens, cache.death[row], rec.sampled, rec.loss, rec.logprobs, rec.versions, meta, recalls
         )

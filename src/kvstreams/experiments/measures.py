@@ -14,7 +14,6 @@ from kvstreams.envs import make_env
 from kvstreams.errors import KVStreamsError
 from kvstreams.trace import Trace
 from kvstreams.train.rollouts import RolloutSource, evaluation_plan
-from kvstreams.visibility import visible
 
 Measure = Callable[[RolloutSource, int], dict[str, float]]
 MEASURES: dict[str, Measure] = {}
@@ -41,9 +40,8 @@ def visible_before_last_reply(trace: Trace) -> torch.Tensor:
     prompt_positions = torch.nonzero(~sampled).flatten()
     first = int(prompt_positions[-1]) + 1 if prompt_positions.numel() else 0  # the last reply's start
     q = first - 1  # the query whose logits sampled token `first`
-    death = trace.death.amin(dim=(0, 1))  # evicted anywhere: not carried for sure
-    j = torch.arange(len(trace.tokens))
-    return trace.tokens[visible(q, j, death)]
+    seen = trace.visible_to(q).all(dim=1).all(dim=0)  # evicted anywhere: not carried for sure
+    return trace.tokens[seen]
 
 
 @register("fact_survival")

@@ -16,6 +16,7 @@ from kvstreams.experiments.spec import Arm, ExperimentSpec
 from kvstreams.stats import Interval, mean_interval
 
 REWARD = "eval/reward_mean"
+FINAL_EXTRA = ("eval/kv/visible_max_mean", "eval/recalls_per_episode", "eval/tokens_forwarded_per_episode")
 
 
 def by_arm(results: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
@@ -44,6 +45,10 @@ def arm_summary(spec: ExperimentSpec, runs: list[dict[str, Any]], reference: lis
     for key in (REWARD, "eval/reward_greedy"):
         iv = _interval([r["final"].get(key) for r in runs])
         row[f"final {key}"] = iv.as_dict() if iv else None
+    for key in FINAL_EXTRA:  # what the evaluated episodes held and fed
+        iv = _interval([r["final"].get(key) for r in runs])
+        if iv:
+            row[f"final {key}"] = iv.as_dict()
     start = _interval([r["start"].get(REWARD) for r in runs])
     row[f"start {REWARD}"] = start.as_dict() if start else None
     # pass@1 and pass@k (runs with eval.samples > 1) before and after training, and the pass@1 gain
@@ -77,6 +82,8 @@ def arm_summary(spec: ExperimentSpec, runs: list[dict[str, Any]], reference: lis
         row["final vs reference (paired)"] = diff.as_dict() if diff else None
     if spec.target_reward is not None:
         row.update(_speed(runs, spec.target_reward, reference))
+    if spec.kind == "evaluate":  # one evaluation per run: no start, no gain ("final" is that evaluation)
+        row = {k: v for k, v in row.items() if not k.startswith("start ") and not k.endswith("gain")}
     return row
 
 
@@ -135,6 +142,7 @@ COLUMNS = (
     "final eval/reward_greedy",
     "gain",
     "final vs reference (paired)",
+    *(f"final {k}" for k in FINAL_EXTRA),
     "reached target",
     "seconds to target",
     "seconds to target / reference",
@@ -219,6 +227,8 @@ def plot_curves(
     import matplotlib.pyplot as plt
 
     runs = by_arm(results)
+    if spec.kind == "evaluate":
+        return plot_arms(spec, arms, runs, out)
     axes_x = ["step", "seconds", "tokens"] if spec.target_reward is not None else ["step"]
     written = []
     for group in spec.groups(arms):
@@ -258,6 +268,44 @@ def plot_curves(
             ax.grid(alpha=0.3)
         axes[0][0].legend(fontsize=7)
         fig.suptitle(f"{spec.name}: {group}", fontsize=10)
+        fig.tight_layout()
+        path = out / f"reward_{group}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def plot_arms(spec: ExperimentSpec, arms: list[Arm], runs: dict[str, list[dict[str, Any]]], out: Path):
+    """An ``evaluate`` experiment, per group: each arm's eval reward and KV held (the mean over episodes
+    of the most entries a query saw), every seed a dot, the mean ± 95% interval a bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [
+        (REWARD, "eval reward (sampled)"),
+        ("eval/kv/visible_max_mean", "KV entries held (mean of max)"),
+    ]
+    written = []
+    for group in spec.groups(arms):
+        members = [a for a in arms if group in a.groups and runs.get(a.name)]
+        if not members:
+            continue
+        fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 3.8), squeeze=False)
+        for ax, (key, label) in zip(axes[0], panels, strict=True):
+            for x, a in enumerate(members):
+                values = [r["final"][key] for r in runs[a.name] if key in r["final"]]
+                if not values:
+                    continue
+                iv = mean_interval(values)
+                ax.bar(x, iv.mean, color="C0", alpha=0.3, yerr=iv.half_width or 0.0, capsize=4)
+                ax.scatter([x] * len(values), values, color="C0", s=12, zorder=3)
+            ax.set_xticks(range(len(members)), [a.label or a.name for a in members], fontsize=7, rotation=15)
+            ax.set_ylabel(label)
+            ax.grid(alpha=0.3, axis="y")
+        fig.suptitle(f"{spec.name}: {group} (dots: seeds; bars: mean ± 95% CI)", fontsize=10)
         fig.tight_layout()
         path = out / f"reward_{group}.png"
         fig.savefig(path, dpi=110)

@@ -89,8 +89,12 @@ def _make_warm_start(spec: ExperimentSpec, ws, seed: int, out: Path, quick: bool
 
 
 def run_one(spec: ExperimentSpec, arm: Arm, seed: int, model: str, out: Path, quick: bool) -> dict[str, Any]:
-    """Train one arm at one seed, evaluate it on the spec's held-out evaluations, summarise."""
+    """Train one arm at one seed, evaluate it on the spec's held-out evaluations, summarise (an
+    ``evaluate`` experiment: evaluate the starting model in the arm's setting, nothing trained)."""
     from kvstreams.train.loop import train
+
+    if spec.kind == "evaluate":
+        return evaluate_one(spec, arm, seed, model, out, quick)
 
     cfg = spec.arm_config(arm, seed, model, out, quick)
     t0 = time.perf_counter()
@@ -112,6 +116,33 @@ def run_one(spec: ExperimentSpec, arm: Arm, seed: int, model: str, out: Path, qu
         "curve": _curve(rows),
         "tokens_forwarded": summary["tokens_forwarded"],
         "evals": extra,
+    }
+
+
+def evaluate_one(
+    spec: ExperimentSpec, arm: Arm, seed: int, model: str, out: Path, quick: bool
+) -> dict[str, Any]:
+    """The starting model of ``seed`` on the held-out tasks (``train.eval_episodes`` x
+    ``train.eval_samples``, and greedily) in the arm's setting. Every arm draws the same tasks and
+    sampling seeds, so arms differ only in their setting (paired by task and by seed)."""
+    from kvstreams.models import load_model
+    from kvstreams.train.evaluation import evaluate
+    from kvstreams.train.rollouts import RolloutSource
+
+    cfg = spec.arm_config(arm, seed, model, out, quick)
+    t0 = time.perf_counter()
+    weights, tokenizer = load_model(cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device)
+    result = evaluate(RolloutSource(weights, tokenizer, cfg), cfg.train.eval_episodes, cfg.train.eval_samples)
+    return {
+        "arm": arm.name,
+        "seed": seed,
+        "seconds": time.perf_counter() - t0,
+        "final": result,
+        "start": {},  # nothing was trained: one evaluation
+        "means": {},
+        "curve": [],
+        "tokens_forwarded": result.get("eval/tokens_forwarded_per_episode", 0.0),
+        "evals": {},
     }
 
 

@@ -114,7 +114,12 @@ class ExperimentSpec(_Table):
     title: str
     source: str = Field(description="the paper result it reproduces, cited")
     question: str = Field(description="what the experiment answers")
-    kind: Literal["train", "is_variance", "ladder"] = "train"
+    kind: Literal["train", "evaluate", "is_variance", "ladder"] = Field(
+        "train",
+        description="train: RL per arm x seed; evaluate: the starting model of each seed in each arm's "
+        "setting, no training (what a rollout feature buys at fixed weights); is_variance: a probe; "
+        "ladder: rungs that are experiments of their own",
+    )
     rungs: list[str] = Field(
         default_factory=list, description="kind = 'ladder': the experiments run in order, each with its check"
     )
@@ -142,10 +147,12 @@ class ExperimentSpec(_Table):
             raise ValueError(f"arm names repeat: {names}")
         if self.kind == "ladder" and (not self.rungs or self.arms):
             raise ValueError("a ladder names its rungs (other experiments) and has no arms of its own")
-        if self.kind == "train" and not self.arms:
-            raise ValueError("a training experiment needs at least one [[arms]]")
-        if self.kind == "train" and (self.model is None) == (self.warm_start is None):
+        if self.kind in ("train", "evaluate") and not self.arms:
+            raise ValueError(f"a {self.kind} experiment needs at least one [[arms]]")
+        if self.kind in ("train", "evaluate") and (self.model is None) == (self.warm_start is None):
             raise ValueError("give exactly one of model (a directory) and [warm_start]")
+        if self.kind == "evaluate" and (self.evals or self.target_reward is not None or self.check):
+            raise ValueError("an evaluate experiment trains nothing: its arms are the evaluations")
         if self.reference_arm is not None and self.reference_arm not in names:
             raise ValueError(f"reference_arm {self.reference_arm!r} is not an arm")
         from kvstreams.experiments.measures import MEASURES

@@ -41,17 +41,19 @@ from typing import Literal
 import torch
 
 from kvstreams import visibility
-from kvstreams.replay.masks import block_visibility, pad_death
+from kvstreams.replay.masks import block_visibility, pad_death, pad_recalls
 
 BLOCK_SIZE = 128
 Kernel = Literal["cpu-flash", "math"]
 
 
-def key_blocks(death: torch.Tensor, block_size: int) -> list[list[list[tuple[torch.Tensor, torch.Tensor]]]]:
-    """death [B, Hd, Tp] (Tp a multiple of block_size) -> per b, record head, query block: the key
-    indices of its full blocks (every query sees every key) and of its partial blocks (some pairs
-    visible; the diagonal block always is one)."""
-    any_visible, full = block_visibility(death, block_size)  # [B, Hd, nq, nk]
+def key_blocks(
+    death: torch.Tensor, block_size: int, recalls: torch.Tensor | None = None
+) -> list[list[list[tuple[torch.Tensor, torch.Tensor]]]]:
+    """death [B, Hd, Tp] (Tp a multiple of block_size; recalls [B, Hd, Tp, K, 2]) -> per b, record
+    head, query block: the key indices of its full blocks (every query sees every key) and of its
+    partial blocks (some pairs visible; the diagonal block always is one)."""
+    any_visible, full = block_visibility(death, block_size, recalls)  # [B, Hd, nq, nk]
     offsets = torch.arange(block_size, device=death.device)
 
     def indices(blocks: torch.Tensor) -> torch.Tensor:
@@ -155,13 +157,13 @@ class _Block:
 
 class _BlockSparseAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query, key, value, death, scale, block_size, kernel):
+    def forward(ctx, query, key, value, death, recalls, scale, block_size, kernel):
         forward_block = KERNELS[kernel][0]
         group = query.shape[1] // key.shape[1]
         out = torch.empty_like(query)
         # the row log-sum-exp, in float32 at least (the fused kernel's own precision for half types)
         lse = query.new_empty(query.shape[:3], dtype=torch.promote_types(query.dtype, torch.float32))
-        blocks = list(_blocks(query, key, death, block_size))
+        blocks = list(_blocks(query, key, death, recalls, block_size))
         for blk in blocks:
             at, kv_at = (blk.b, blk.heads, blk.rows), (blk.b, blk.kv_heads)
             q = query[at].unflatten(0, (-1, group))
@@ -192,16 +194,16 @@ class _BlockSparseAttention(torch.autograd.Function):
                 dq[at] += dq_part.flatten(0, 1)
                 dk[kv_at][:, keys] += dk_part  # keys are distinct: no accumulation is lost
                 dv[kv_at][:, keys] += dv_part
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
-def _blocks(query, key, death, block_size: int):
+def _blocks(query, key, death, recalls, block_size: int):
     """Every query block to compute. One block covers the heads that share a record: all of them for
     a shared record (Hd = 1), one KV head and its query heads for a per-head record."""
     B, Hq, T = query.shape[:3]
     Hkv, Hd = key.shape[1], death.shape[1]
     kv_per_record, group = Hkv // Hd, Hq // Hkv
-    plan = key_blocks(death, block_size)
+    plan = key_blocks(death, block_size, recalls)
     for b in range(B):
         for hd in range(Hd):
             kv_heads = slice(hd * kv_per_record, (hd + 1) * kv_per_record)
@@ -210,7 +212,8 @@ def _blocks(query, key, death, block_size: int):
                 rows = slice(i * block_size, min(T, (i + 1) * block_size))
                 full, partial = full[full < T], partial[partial < T]
                 positions = torch.arange(rows.start, rows.stop, device=query.device)[:, None]
-                visible = visibility.visible(positions, partial[None, :], death[b, hd, partial][None, :])
+                r = None if recalls is None else recalls[b, hd, partial][None]
+                visible = visibility.visible(positions, partial[None, :], death[b, hd, partial][None, :], r)
                 parts = [(_as_run(full), None)] if len(full) else []
                 yield _Block(b, heads, kv_heads, rows, [*parts, (_as_run(partial), visible)])
 
@@ -238,10 +241,14 @@ def block_sparse_attention(
     scale: float,
     block_size: int = BLOCK_SIZE,
     kernel: Kernel | None = None,
+    recalls: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention [B, Hq, T, D] of query [B, Hq, T, D] over key/value [B, Hkv, T, D] (grouped-query)
-    under the record death [B, Hd (1 or Hkv), T]: query q sees key j iff j <= q < death[j].
+    under the record death [B, Hd (1 or Hkv), T] and recall intervals [B, Hd, T, K, 2]: query q sees
+    key j iff j <= q < death[j] or q lies in one of j's recall intervals.
     ``kernel``: per-block kernel (default: ``cpu-flash`` on CPU, ``math`` elsewhere)."""
     death = pad_death(death, block_size)
+    if recalls is not None:
+        recalls = pad_recalls(recalls, block_size)
     kernel = kernel or default_kernel(query.device)
-    return _BlockSparseAttention.apply(query, key, value, death, scale, block_size, kernel)
+    return _BlockSparseAttention.apply(query, key, value, death, recalls, scale, block_size, kernel)

@@ -54,6 +54,9 @@ class ReplayBatch:
     spans: list[tuple[int, int, int]]
     sampling: list[tuple[float, int, float]]  # per trace: temperature, top_k, top_p it was sampled with
     causal: bool = False  # the visibility is plain causal attention (one trace per row, nothing evicted)
+    recalls: torch.Tensor | None = (
+        None  # [B, L or 1, H_kv or 1, T, K, 2] recall intervals, if any trace has them
+    )
 
     def to(self, device) -> ReplayBatch:
         return dataclasses.replace(
@@ -61,6 +64,7 @@ class ReplayBatch:
             tokens=self.tokens.to(device),
             positions=self.positions.to(device),
             death=self.death.to(device),
+            recalls=None if self.recalls is None else self.recalls.to(device),
         )
 
 
@@ -83,6 +87,7 @@ def collate(
         raise KVStreamsError("nothing to replay: no traces")
     L = 1 if mode == "dense" or all(t.death.shape[0] == 1 for t in traces) else n_layers
     H = 1 if mode == "dense" or all(t.death.shape[1] == 1 for t in traces) else n_kv_heads
+    K = 0 if mode == "dense" else max(0 if t.recalls is None else t.recalls.shape[3] for t in traces)
     lengths = [len(t) for t in traces]
     if packed:
         rows, width = 1, sum(lengths)
@@ -96,6 +101,7 @@ def collate(
     positions = torch.zeros(rows, width, dtype=torch.long)
     # Filler entries are visible to themselves only, so they never leak into real queries.
     death = visibility.self_only(torch.arange(width, dtype=torch.int32)).expand(rows, L, H, width).clone()
+    recalls = torch.zeros(rows, L, H, width, K, 2, dtype=torch.int32) if K else None  # (0, 0): none
     for trace, (row, start, n) in zip(traces, spans, strict=True):
         tokens[row, start : start + n] = trace.tokens
         positions[row, start : start + n] = trace.positions
@@ -104,11 +110,15 @@ def collate(
         else:
             d = trace.death_for(n_layers, n_kv_heads)[:L, :H] if (L, H) != (1, 1) else trace.death[:1, :1]
             death[row, :, :, start : start + n] = d.expand(L, H, n) + start
+            if recalls is not None and trace.recalls is not None:
+                r = trace.recalls.expand(L, H, *trace.recalls.shape[2:])
+                r = torch.where((r[..., :1] < r[..., 1:]), r + start, r)  # empty intervals stay (0, 0)
+                recalls[row, :, :, start : start + n, : r.shape[3]] = r
     sampling = [(t.temperature, t.top_k, t.top_p) for t in traces]
     # One trace per row that evicts nothing (dense mode, or re-prefill segments) is plain causal
     # attention: right padding never reaches a real query, so the row needs no mask at all.
     causal = not packed and (mode == "dense" or all(t.n_evicted == 0 for t in traces))
-    return ReplayBatch(tokens, positions, death, spans, sampling, causal=causal)
+    return ReplayBatch(tokens, positions, death, spans, sampling, causal=causal, recalls=recalls)
 
 
 FLEX_BLOCK_SIZE = 128
@@ -128,10 +138,18 @@ class ReplayMask(AttentionContext):
     """Attention context that masks every layer with its recorded visibility (``causal``: plain causal
     attention, no record needed)."""
 
-    def __init__(self, death: torch.Tensor, backend: Backend, n_heads: int, causal: bool = False) -> None:
+    def __init__(
+        self,
+        death: torch.Tensor,
+        backend: Backend,
+        n_heads: int,
+        causal: bool = False,
+        recalls: torch.Tensor | None = None,
+    ) -> None:
         if backend not in BACKENDS:
             raise KVStreamsError(f"unknown replay backend {backend!r}; choose {' or '.join(BACKENDS)}")
         self.death = death
+        self.recalls = recalls
         self.backend = backend
         self.n_heads = n_heads
         self.causal = causal
@@ -139,17 +157,18 @@ class ReplayMask(AttentionContext):
 
     def mask_for(self, layer: int):
         key = layer if self.death.shape[1] > 1 else 0
+        death = self.death[:, key]  # [B, H', T]
+        recalls = None if self.recalls is None else self.recalls[:, key]  # [B, H', T, K, 2]
         if self.backend == "blocksparse":  # the kernel reads the record itself
-            return self.death[:, key]
+            return death, recalls
         if key not in self._masks:
-            death = self.death[:, key]  # [B, H', T]
             if self.backend == "sdpa":
-                mask = visibility.dense(death)  # [B, H', T, T]
+                mask = visibility.dense(death, recalls)  # [B, H', T, T]
                 if mask.shape[1] > 1:
                     mask = mask.repeat_interleave(self.n_heads // mask.shape[1], dim=1)
                 self._masks[key] = mask
             else:
-                self._masks[key] = block_mask_from_death(death, self.n_heads, FLEX_BLOCK_SIZE)
+                self._masks[key] = block_mask_from_death(death, self.n_heads, FLEX_BLOCK_SIZE, recalls)
         return self._masks[key]
 
     def attend(
@@ -167,7 +186,8 @@ class ReplayMask(AttentionContext):
                 query, key, value, attn_mask=mask, scale=scale, enable_gqa=gqa
             )
         elif self.backend == "blocksparse":
-            out = block_sparse_attention(query, key, value, mask, scale)
+            death, recalls = mask
+            out = block_sparse_attention(query, key, value, death, scale, recalls=recalls)
         else:
             out = _flex_attention()(query, key, value, block_mask=mask, scale=scale, enable_gqa=gqa)
         return out.transpose(1, 2)
@@ -193,7 +213,7 @@ def replay_logits(model, batch: ReplayBatch, backend: Backend = "sdpa") -> torch
     check_fits(model, batch)
     device = next(model.parameters()).device
     batch = batch.to(device)
-    ctx = ReplayMask(batch.death, backend, model_shape(model).n_heads, causal=batch.causal)
+    ctx = ReplayMask(batch.death, backend, model_shape(model).n_heads, batch.causal, batch.recalls)
     with ctx:
         return model(input_ids=batch.tokens, position_ids=batch.positions, use_cache=False).logits
 

@@ -58,6 +58,9 @@ class RolloutSection(_Section):
     policy: str | None = None  # KV compression while sampling; in multi-turn episodes it runs inside them,
     # with or without a compaction strategy (kvstreams.engine.compression)
     policy_args: dict[str, Any] = Field(default_factory=dict)
+    recall: str | None = None  # bring deleted units back when an observation asks for them ("lexical";
+    # kvstreams.compaction.recall); recall_args.how: "archive" (stream: the K/V put back) or "recompute"
+    recall_args: dict[str, Any] = Field(default_factory=dict)
     prompts_per_step: int = Field(2, ge=1)
     group_size: int = Field(8, ge=2, description="K rollouts per prompt (GRPO group)")
     temperature: float = Field(1.0, gt=0)
@@ -309,6 +312,8 @@ def _check_builds(r: RolloutSection) -> None:
         make_env(r.env, **r.env_args)
         if r.strategy:
             make_strategy(r.strategy, preset=r.strategy_preset, **r.strategy_args)
+        if r.recall:
+            _check_recall(r)
         if r.policy:
             policy = make_policy(r.policy, **r.policy_args)
             if not is_single_turn(r.env) and policy.evicts():
@@ -317,6 +322,15 @@ def _check_builds(r: RolloutSection) -> None:
                 StreamBudget(policy)  # a budget multi-turn episodes cannot follow
     except KVStreamsError as err:
         raise ValueError(f"rollout: {err}") from None
+
+
+def _check_recall(r: RolloutSection) -> None:
+    from kvstreams.compaction.recall import check_mode, make_recall
+
+    recall = make_recall(r.recall or "", **r.recall_args)
+    if is_single_turn(r.env):
+        raise KVStreamsError("recall brings back what compaction deleted: it needs a multi-turn environment")
+    check_mode(recall, r.mode)
 
 
 def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:

@@ -105,5 +105,21 @@ def evaluate(source: EpisodeSource, tasks: int, samples: int = 1, greedy: bool =
         )
     m = summarise(sampled, greedy_rewards or None)
     m.update(batch.outcome_means(prefix="eval/env/"))  # of the sampled episodes
+    m.update(kv_figures(batch, prefix="eval/"))
     m["eval/failed_episodes"] = float(len(errors))
     return m
+
+
+def kv_figures(batch: RolloutBatch, prefix: str) -> dict[str, float]:
+    """What the sampled episodes held and fed: ``kv/visible_max_mean``, the mean over episodes of the
+    most entries any of its queries saw (the largest over layers and KV heads, over its segments);
+    ``tokens_forwarded_per_episode``; ``recalls_per_episode`` (deleted units brought back)."""
+    most: dict[int, int] = {}
+    for s in batch.samples:
+        most[s.episode] = max(most.get(s.episode, 0), int(s.trace.visible_counts().max()))
+    n = max(1, batch.stats.episodes)
+    return {
+        f"{prefix}kv/visible_max_mean": sum(most.values()) / max(1, len(most)),
+        f"{prefix}tokens_forwarded_per_episode": batch.stats.tokens_forwarded / n,
+        f"{prefix}recalls_per_episode": batch.stats.recalls / n,
+    }

@@ -15,6 +15,7 @@ from typing import Protocol
 
 from kvstreams.chat import ChatFormat
 from kvstreams.compaction import make_strategy
+from kvstreams.compaction.recall import make_recall
 from kvstreams.cost import RolloutCost
 from kvstreams.engine import RolloutEngine, SamplingParams
 from kvstreams.envs import is_single_turn, make_env
@@ -197,6 +198,7 @@ class RolloutSource:
             max_reply_tokens=r.max_reply_tokens,
             weights_version=self.version,
             policy=make_policy(r.policy, **r.policy_args) if r.policy else None,
+            recall=make_recall(r.recall, **r.recall_args) if r.recall and mode != "full" else None,
         )
         results, stats = runner.run(
             envs, env_seeds, on_step=on_step, progress=progress, sample_seeds=sample_seeds
