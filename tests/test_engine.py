@@ -9,10 +9,10 @@ import torch
 
 from conftest import random_prompts
 from kvstreams.engine import RolloutEngine, SamplingParams
-from kvstreams.engine.sampling import policy_logprobs, sample
 from kvstreams.errors import KVStreamsError
 from kvstreams.models import model_shape
 from kvstreams.policies import POLICIES, make_policy
+from kvstreams.sampling import policy_logprobs, sample
 
 EVICTING = sorted(n for n in POLICIES if n != "full")
 
@@ -232,7 +232,7 @@ def test_sampler_records_the_logprob_of_the_distribution_it_samples_from():
 
 
 def test_inverse_transform_draw_never_picks_an_impossible_token_and_has_the_law_of_probs():
-    from kvstreams.engine.sampling import draw
+    from kvstreams.sampling import draw
 
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]])
     picks = [int(draw(probs, torch.tensor([[u]], dtype=torch.float64))) for u in (0.0, 0.25, 0.5, 1 - 2**-53)]

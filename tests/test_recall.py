@@ -10,11 +10,11 @@ import torch
 
 from conftest import random_prompts
 from kvstreams import visibility
-from kvstreams.engine.sampling import SamplingParams, sample
 from kvstreams.engine.stream import StreamSession
-from kvstreams.errors import TraceFormatError
+from kvstreams.errors import KVStreamsError, TraceFormatError
 from kvstreams.policies import make_policy
 from kvstreams.replay import replay_logprobs
+from kvstreams.sampling import SamplingParams, sample
 from kvstreams.trace import FORMAT, FORMAT_RECALL, Trace
 from kvstreams.verify import Agreement
 
@@ -216,3 +216,37 @@ def test_lexical_recall_prefers_the_unit_sharing_rare_words():
     assert recall.choose(deleted, "Final question: what is the color?") == [0]
     assert recall.choose(deleted, "Turn 4. ok") == []  # only words every unit (or none) holds
     assert make_recall("lexical", max_units=2).choose(deleted, "the lamp river") == [0, 1]
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "blocksparse"])
+def test_a_learner_step_on_recalled_episodes_is_on_policy(qwen, model_dirs, tmp_path, backend):
+    """Training end to end (config -> rollouts with recall -> learner): the first update's ratio is 1
+    and the sampler/learner mismatch is nil, on either CPU backend."""
+    from kvstreams.train.rollouts import RolloutSource
+    from test_train import learner_step_then_restore, small_config
+
+    sets = {
+        "rollout.recall": '"lexical"',
+        "rollout.recall_args": "{min_score = 0.0}",
+        "rollout.group_size": 4,
+        "train.backend": f'"{backend}"',
+    }
+    cfg = small_config(model_dirs["qwen3"], tmp_path, **sets)
+    batch = RolloutSource(*qwen, cfg).collect(step=0)
+    assert batch.stats.recalls > 0 and any(s.trace.recalls is not None for s in batch.samples)
+    metrics = learner_step_then_restore(qwen[0], cfg, batch)
+    assert metrics["mismatch/abs_logprob_diff_max"] < 1e-4
+    assert metrics["ratio/first_update_max_abs_dev"] < 1e-4
+
+
+def test_recall_configs_that_cannot_work_are_refused_before_loading(model_dirs, tmp_path):
+    from test_train import small_config
+
+    with pytest.raises(KVStreamsError, match="re-prefill keeps no K/V"):
+        small_config(
+            model_dirs["qwen3"],
+            tmp_path,
+            **{"rollout.recall": '"lexical"', "rollout.mode": '"reprefill"', "loss.type": '"reprefill"'},
+        )
+    with pytest.raises(KVStreamsError, match="unknown recall"):
+        small_config(model_dirs["qwen3"], tmp_path, **{"rollout.recall": '"oracle"'})

@@ -158,3 +158,13 @@ def test_bfloat16_replay_is_close(model_dirs):
     assert shadow.max_abs_diff <= 0.1 and shadow.mean_abs_diff <= 0.03
     assert dense.mean_abs_diff > 5 * shadow.mean_abs_diff
     assert shadow.kl_k3 < 1e-3 < dense.kl_k3
+
+
+def test_the_learner_side_does_not_load_the_sampler():
+    """Replay and the learner stand on the sampling law (kvstreams.sampling), not on the engine."""
+    import subprocess
+    import sys
+
+    code = "import sys, kvstreams.replay, kvstreams.train.learner; print([m for m in sys.modules if m.startswith('kvstreams.engine')])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

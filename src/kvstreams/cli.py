@@ -630,8 +630,8 @@ def _rollout_policy(args) -> int:
 def _rollout_episodes(args) -> int:
     from kvstreams.atomic import write_json
     from kvstreams.compaction.recall import check_mode
-    from kvstreams.episodes import EpisodeRunner
     from kvstreams.rollout_summary import episode_summary, save_episode_traces
+    from kvstreams.sampler import SamplerSpec, sample_episodes
 
     mode = args.mode or ("stream" if args.strategy else "full")
     if mode != "full" and not args.strategy:
@@ -644,11 +644,9 @@ def _rollout_episodes(args) -> int:
     _check_out(out, traces=True)
     model, tokenizer = _load(args)
     params = _sampling_params(args)
-    runner = EpisodeRunner(
-        model, tokenizer, strategy, mode=mode, sampling=params, policy=policy, **_runner_options(args)
-    )
+    spec = SamplerSpec(args.env or "memory", strategy, mode, policy, **_runner_options(args))
     with _progress(f"rollout {args.env or 'memory'} {mode}", None) as advance:
-        results, stats = runner.run(envs, _seeds(args), progress=advance)
+        results, stats = sample_episodes(model, tokenizer, spec, envs, _seeds(args), params, progress=advance)
     names = save_episode_traces(results, out, mode)
     summary = episode_summary(
         stats, results, mode, args.env or "memory", strategy, str(args.model), args.block_size, names

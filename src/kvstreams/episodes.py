@@ -35,11 +35,11 @@ from kvstreams.compaction import Bridge, CompactionStrategy, Reason, UnitKind, U
 from kvstreams.compaction.recall import Recall, check_mode
 from kvstreams.cost import RolloutCost, rollout_cost
 from kvstreams.engine.compression import StreamBudget, budget_label
-from kvstreams.engine.sampling import SamplingParams, sample
 from kvstreams.engine.stream import StreamSession
 from kvstreams.envs.base import Environment, checked_messages, checked_step, failure
 from kvstreams.errors import KVStreamsError
 from kvstreams.policies import EvictionPolicy
+from kvstreams.sampling import SamplingParams, sample
 from kvstreams.trace import Trace
 
 CompactionMode = Literal["stream", "reprefill", "full"]

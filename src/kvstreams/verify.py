@@ -28,9 +28,9 @@ import torch
 from kvstreams.compaction import CompactionStrategy
 from kvstreams.engine import RolloutEngine, SamplingParams
 from kvstreams.envs import Environment
-from kvstreams.episodes import EpisodeRunner
 from kvstreams.policies import EvictionPolicy, make_policy
 from kvstreams.replay import replay_logprobs
+from kvstreams.sampler import SamplerSpec, sample_episodes
 from kvstreams.trace import Trace
 from kvstreams.train.mismatch import mismatch_metrics
 
@@ -170,8 +170,8 @@ def stream_episodes(
     **runner_options,
 ) -> tuple[list[Trace], list[int]]:
     """Episodes in stream mode: their traces (one each) and compactions per episode."""
-    runner = EpisodeRunner(model, tokenizer, strategy, mode="stream", sampling=params, **runner_options)
-    results, _ = runner.run(envs, seeds, progress=progress)
+    spec = SamplerSpec(envs[0].name, strategy, "stream", **runner_options)
+    results, _ = sample_episodes(model, tokenizer, spec, envs, seeds, params, progress=progress)
     return [t for r in results for t in r.traces], [len(r.compactions) for r in results]
 
 
@@ -191,7 +191,7 @@ class Floor:
 def hf_forward_logprobs(model, traces: Sequence[Trace]) -> list[torch.Tensor]:
     """Log-probs [T] per trace from the model's ordinary forward (transformers' SDPA path, its own
     causal mask), with no kvstreams attention context."""
-    from kvstreams.engine.sampling import policy_logprobs
+    from kvstreams.sampling import policy_logprobs
 
     out = []
     with torch.no_grad():
@@ -302,8 +302,9 @@ def unevicted_traces(
     ``envs`` in ``full`` mode."""
     if prompts is not None:
         return RolloutEngine(model, tokenizer, make_policy("full")).generate(prompts, params)
-    runner = EpisodeRunner(model, tokenizer, None, mode="full", sampling=params, **runner_options)
-    results, _ = runner.run(envs, seeds)
+    assert envs is not None and seeds is not None
+    spec = SamplerSpec(envs[0].name, None, "full", **runner_options)
+    results, _ = sample_episodes(model, tokenizer, spec, envs, seeds, params)
     return [t for r in results for t in r.traces]
 
 

@@ -194,9 +194,9 @@ def _replay_row(
 
 def _learner_steps(model, tok, settings: LearnerBenchSettings, step) -> list[dict[str, Any]]:
     from kvstreams.compaction import make_strategy
-    from kvstreams.engine.sampling import SamplingParams
     from kvstreams.envs import make_env
-    from kvstreams.episodes import EpisodeRunner
+    from kvstreams.sampler import SamplerSpec, sample_episodes
+    from kvstreams.sampling import SamplingParams
     from kvstreams.train.learner import Learner
     from kvstreams.train.prepare import learner_items
     from kvstreams.train.rollouts import RolloutBatch, Sample
@@ -208,14 +208,10 @@ def _learner_steps(model, tok, settings: LearnerBenchSettings, step) -> list[dic
             make_env("memory", n_turns=settings.step_turns, max_turns=settings.step_turns + 1)
             for _ in range(n)
         ]
-        runner = EpisodeRunner(
-            model,
-            tok,
-            make_strategy("sliding_window"),
-            mode=mode,
-            sampling=SamplingParams(seed=settings.seed),
+        spec = SamplerSpec("memory", make_strategy("sliding_window"), mode)
+        results, stats = sample_episodes(
+            model, tok, spec, envs, list(range(n)), SamplingParams(seed=settings.seed)
         )
-        results, stats = runner.run(envs, list(range(n)))
         rewards = [float(i % 2) for i in range(n)]  # a fixed spread: advantages are non-zero
         samples = [Sample(t, 0, r.episode, rewards[r.episode]) for r in results for t in r.traces]
         batches[mode] = RolloutBatch(samples, rewards, stats)

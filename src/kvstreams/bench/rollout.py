@@ -126,10 +126,10 @@ def play(
     """Play ``episodes`` episodes of ``point`` in ``mode`` (with ``policy`` = (name, budget)
     compressing inside them, if given); one row of figures."""
     from kvstreams.compaction import make_strategy
-    from kvstreams.engine.sampling import SamplingParams
     from kvstreams.envs import make_env
-    from kvstreams.episodes import EpisodeRunner
     from kvstreams.policies import make_policy
+    from kvstreams.sampler import SamplerSpec, sample_episodes
+    from kvstreams.sampling import SamplingParams
 
     strategy = None
     if mode != "full":
@@ -137,18 +137,19 @@ def play(
         strategy = make_strategy(point.strategy, preset=point.preset, **options)
     episodes = point.episodes
     envs = [make_env(point.env, **_env_args(point.env, point.turns)) for _ in range(episodes)]
-    runner = EpisodeRunner(
-        model,
-        tokenizer,
-        strategy,
+    spec = SamplerSpec(
+        env=point.env,
+        strategy=strategy,
         mode=mode,  # type: ignore[arg-type]
-        sampling=SamplingParams(temperature=1.0, seed=settings.seed),
+        policy=make_policy(policy[0], budget=policy[1]) if policy else None,
         block_size=block_size,
         max_reply_tokens=settings.max_reply_tokens,
-        policy=make_policy(policy[0], budget=policy[1]) if policy else None,
     )
-    _, st = runner.run(envs, [settings.seed + i for i in range(episodes)])
-    budget = runner.strategy.budget_tokens if runner.strategy is not None else None
+    sampling = SamplingParams(temperature=1.0, seed=settings.seed)
+    _, st = sample_episodes(
+        model, tokenizer, spec, envs, [settings.seed + i for i in range(episodes)], sampling
+    )
+    budget = strategy.with_budget(envs[0].context_budget).budget_tokens if strategy is not None else None
     retained = st.retained_mean / st.context_at_compaction_mean if st.compactions else None
     predicted = st.tokens_reprefilled_predicted if mode == "reprefill" else None
     steady = st.tokens_reprefilled_predicted_steady if mode == "reprefill" else None

@@ -15,7 +15,6 @@ exist only transiently and just the kept entries are written to the budget-sized
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -26,10 +25,11 @@ from kvstreams.attention import AttentionContext
 from kvstreams.engine.cache import SlotCache
 from kvstreams.engine.compression import choose_kept
 from kvstreams.engine.ops import attend_slots, attend_slots_fused
-from kvstreams.engine.sampling import SamplingParams, sample
+from kvstreams.engine.record import Record
 from kvstreams.errors import KVStreamsError
 from kvstreams.models import model_shape
 from kvstreams.policies import EntryView, EvictionPolicy, make_policy
+from kvstreams.sampling import SamplingParams, sample
 from kvstreams.trace import Trace
 from kvstreams.visibility import evicted_before
 
@@ -260,14 +260,15 @@ class GenerationStats:
     kv_bytes_allocated: int = 0
 
 
-class _Record:
-    """What ``generate`` records per sequence (by original index) while rows leave the batch."""
+class _Batched:
+    """What ``generate`` records per sequence (by original index) while rows leave the batch: each
+    sequence's :class:`Record`, and once it finished, its death record and eviction count."""
 
     def __init__(self, prompts: Sequence[Sequence[int]], version: int) -> None:
         self.prompt_lens = [len(p) for p in prompts]
-        self.tokens = [list(p) for p in prompts]
-        self.versions = [[version] * len(p) for p in prompts]
-        self.logprobs: list[list[float]] = [[] for _ in prompts]
+        self.records = [Record() for _ in prompts]
+        for rec, prompt in zip(self.records, prompts, strict=True):
+            rec.append(list(prompt), version)
         self.deaths: list[torch.Tensor | None] = [None] * len(prompts)
         self.events = [0] * len(prompts)  # eviction rounds, once the sequence finished
 
@@ -285,9 +286,7 @@ class _Record:
         for row, (seq, tok, lp) in enumerate(
             zip(seqs.tolist(), tokens.tolist(), logprobs.tolist(), strict=True)
         ):
-            self.tokens[seq].append(tok)
-            self.versions[seq].append(version)
-            self.logprobs[seq].append(lp)
+            self.records[seq].append([tok], version, sampled=True, loss=True, logprobs=[lp])
             if tok in stop_ids or last:
                 done.append(row)
         return done
@@ -383,7 +382,7 @@ class RolloutEngine:
             ).logits[:, -1]
         batch.n_live = torch.where(evicting, batch.target, batch.n_live)
         events = evicting.long().clone()  # eviction rounds per row so far
-        record = _Record(prompts, self.weights_version)
+        record = _Batched(prompts, self.weights_version)
 
         for step_no in range(G):
             new_tokens, new_lp = sample(logits, params, generator)
@@ -414,7 +413,7 @@ class RolloutEngine:
         traces = [self._trace(record, i, params, schedule.budgets[i]) for i in range(len(prompts))]
         self.last_stats = GenerationStats(
             sequences=len(prompts),
-            tokens_generated=sum(len(t) - p for t, p in zip(record.tokens, prompt_lens, strict=True)),
+            tokens_generated=sum(len(r) - p for r, p in zip(record.records, prompt_lens, strict=True)),
             tokens_prefilled=sum(prompt_lens),
             eviction_events=record.events,
             budgets=schedule.budgets,
@@ -434,26 +433,19 @@ class RolloutEngine:
             col_index[b, P - len(prompt) :] = torch.arange(len(prompt), device=device)
         return ids, col_index
 
-    def _trace(self, record: _Record, i: int, params: SamplingParams, budget: int) -> Trace:
-        tokens, prompt_len, death = record.tokens[i], record.prompt_lens[i], record.deaths[i]
-        length = len(tokens)
+    def _trace(self, record: _Batched, i: int, params: SamplingParams, budget: int) -> Trace:
+        rec, prompt_len, death = record.records[i], record.prompt_lens[i], record.deaths[i]
         assert death is not None
-        generated = length - prompt_len
         policy = self.policy
-        return Trace.from_record(
-            tokens,
+        return rec.to_trace(
             death,
-            sampled=[False] * prompt_len + [True] * generated,
-            loss=[False] * prompt_len + [True] * generated,
-            logprobs=[math.nan] * prompt_len + record.logprobs[i],
-            versions=record.versions[i],
-            metadata={
+            {
                 "temperature": str(params.temperature),
                 "top_p": str(params.top_p),
                 "top_k": str(params.top_k),
                 "policy": policy.name,
                 "policy_config": json.dumps(policy.describe()),
-                "budget": str(budget if policy.evicts() else length),
+                "budget": str(budget if policy.evicts() else len(rec)),
                 "mode": "stream",
                 "model": self.model_name,
                 "prompt_len": str(prompt_len),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvstreams.engine.sampling import at_least_float32
+from kvstreams.sampling import at_least_float32
 
 
 def attend_slots(

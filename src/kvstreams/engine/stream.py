@@ -17,9 +17,8 @@ interval (``recalls``), so the learner replays the recall exactly as it replays 
 
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -27,9 +26,10 @@ from kvstreams.attention import AttentionContext
 from kvstreams.engine.cache import SlotCache
 from kvstreams.engine.compression import RoundPlan, StreamBudget
 from kvstreams.engine.ops import attend_slots, attend_slots_fused
-from kvstreams.engine.sampling import at_least_float32
+from kvstreams.engine.record import Record
 from kvstreams.models import model_shape
 from kvstreams.policies import EntryView, EvictionPolicy
+from kvstreams.sampling import at_least_float32
 from kvstreams.trace import Trace
 from kvstreams.visibility import evicted_before
 
@@ -112,21 +112,6 @@ class ChunkStep(AttentionContext):
 
 
 @dataclass
-class Record:
-    """The trace being built in one row."""
-
-    tokens: list[int] = field(default_factory=list)
-    sampled: list[bool] = field(default_factory=list)
-    loss: list[bool] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    fed: int = 0  # tokens already written into the cache (the next query's trace index)
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-
-@dataclass
 class SessionCounters:
     tokens_forwarded: int = 0  # tokens fed through the model (chunks and decode steps)
     tokens_reprefilled: int = 0  # retained tokens fed again after a restart
@@ -175,14 +160,7 @@ class StreamSession:
         logprobs: list[float] | None = None,
     ) -> tuple[int, int]:
         """Add tokens to a row's trace (fed on the next forward). Returns their [start, end) indices."""
-        rec = self.records[row]
-        start = len(rec)
-        rec.tokens += tokens
-        rec.sampled += [sampled] * len(tokens)
-        rec.loss += [loss] * len(tokens)
-        rec.logprobs += logprobs if logprobs is not None else [math.nan] * len(tokens)
-        rec.versions += [self.weights_version] * len(tokens)
-        return start, len(rec)
+        return self.records[row].append(tokens, self.weights_version, sampled, loss, logprobs)
 
     def length(self, row: int) -> int:
         return len(self.records[row])
@@ -311,8 +289,6 @@ class StreamSession:
         return trace
 
     def trace(self, row: int, meta: dict[str, str]) -> Trace:
-        rec, cache = self.records[row], self.cache
+        cache = self.cache
         recalls = None if cache.recalls is None else cache.recalls[row]
-        return Trace.from_record(
-            rec.tokens, cache.death[row], rec.sampled, rec.loss, rec.logprobs, rec.versions, meta, recalls
-        )
+        return self.records[row].to_trace(cache.death[row], meta, recalls)

@@ -31,11 +31,11 @@ import torch.nn.functional as F
 
 from kvstreams import visibility
 from kvstreams.attention import AttentionContext
-from kvstreams.engine.sampling import policy_logprobs
 from kvstreams.errors import KVStreamsError
 from kvstreams.models import model_shape
 from kvstreams.replay.blocksparse import block_sparse_attention
 from kvstreams.replay.masks import block_mask_from_death
+from kvstreams.sampling import policy_logprobs
 from kvstreams.trace import Trace, TraceFormatError
 
 Mode = Literal["shadow", "dense"]

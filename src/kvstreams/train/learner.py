@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstreams.engine.sampling import policy_logprobs
 from kvstreams.models import model_shape
 from kvstreams.replay import collate, replay_logits
+from kvstreams.sampling import policy_logprobs
 from kvstreams.trace import Trace
 from kvstreams.train import loss as losses
 from kvstreams.train.config import Config

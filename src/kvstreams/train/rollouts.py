@@ -1,8 +1,9 @@
-"""Rollout batches for the learner: K episodes per prompt (a GRPO group), from the engine.
+"""Rollout batches for the learner: K episodes per prompt (a GRPO group), from the sampler.
 
-Multi-turn environments run through :class:`~kvstreams.episodes.EpisodeRunner` (with compaction in
-``stream``, ``reprefill`` or ``full`` mode); single-turn ones (``gsm8k``, or any run with a KV
-compression ``policy``) through :class:`~kvstreams.engine.RolloutEngine`. Seeds are a function of
+Every batch goes through :func:`kvstreams.sampler.sample_episodes` with the config's
+:class:`~kvstreams.sampler.SamplerSpec`: multi-turn environments as episodes (compaction in
+``stream``, ``reprefill`` or ``full`` mode, a KV compression ``policy`` and ``recall`` inside them),
+single-turn ones (``gsm8k``, ``recall``, ``bandit``) as one batch of prompts. Seeds are a function of
 (run seed, step), so a resumed run replays exactly the rollouts it would have made.
 """
 
@@ -14,15 +15,10 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from kvstreams.chat import ChatFormat
-from kvstreams.compaction import make_strategy
-from kvstreams.compaction.recall import make_recall
 from kvstreams.cost import RolloutCost
-from kvstreams.engine import RolloutEngine, SamplingParams
+from kvstreams.engine import SamplingParams
 from kvstreams.envs import is_single_turn, make_env
-from kvstreams.envs.base import failure
-from kvstreams.episodes import EpisodeRunner
-from kvstreams.policies import make_policy
-from kvstreams.single_turn import env_prompts, reply_reward
+from kvstreams.sampler import SamplerSpec, sample_episodes
 from kvstreams.trace import Trace
 from kvstreams.train.config import Config
 
@@ -174,69 +170,23 @@ class RolloutSource:
         envs = [make_env(r.env, **r.env_args) for _ in plan.env_seeds]
         if plan.held_out:
             envs = [env.held_out() for env in envs]
-        args = (envs, plan.env_seeds, plan.sample_seeds, plan.groups, plan.greedy)
-        if single_turn(self.cfg):
-            return self._single_turn(*args, on_step, progress)
-        return self._episodes(*args, plan.mode, on_step, progress)
-
-    def _episodes(
-        self, envs, env_seeds, sample_seeds, groups, greedy, mode, on_step, progress
-    ) -> RolloutBatch:
-        r = self.cfg.rollout
-        strategy = (
-            make_strategy(r.strategy, preset=r.strategy_preset, **r.strategy_args)
-            if r.strategy and mode != "full"
-            else None
-        )
-        runner = EpisodeRunner(
+        results, stats = sample_episodes(
             self.model,
             self.tokenizer,
-            strategy,
-            mode=mode,
-            sampling=self._sampling(0, greedy),
-            block_size=r.block_size,
-            max_reply_tokens=r.max_reply_tokens,
+            SamplerSpec.from_rollout(r, plan.mode),
+            envs,
+            plan.env_seeds,
+            self._sampling(0, plan.greedy),
+            plan.sample_seeds,
             weights_version=self.version,
-            policy=make_policy(r.policy, **r.policy_args) if r.policy else None,
-            recall=make_recall(r.recall, **r.recall_args) if r.recall and mode != "full" else None,
-        )
-        results, stats = runner.run(
-            envs, env_seeds, on_step=on_step, progress=progress, sample_seeds=sample_seeds
+            on_step=on_step,
+            progress=progress,
         )
         samples = [
-            Sample(t, groups[res.episode], res.episode, res.reward) for res in results for t in res.traces
+            Sample(t, plan.groups[res.episode], res.episode, res.reward)
+            for res in results
+            for t in res.traces
         ]
         errors = [res.error for res in results]
         outcomes = [numeric_outcomes(res.info) for res in results]
         return RolloutBatch(samples, [res.reward for res in results], stats, errors=errors, outcomes=outcomes)
-
-    def _single_turn(self, envs, env_seeds, sample_seeds, groups, greedy, on_step, progress) -> RolloutBatch:
-        r = self.cfg.rollout
-        policy = make_policy(r.policy or "full", **r.policy_args)
-        prompts = env_prompts(self.chat, envs, env_seeds)
-        engine = RolloutEngine(self.model, self.tokenizer, policy, weights_version=self.version)
-        traces = engine.generate(
-            prompts, self._sampling(sample_seeds[0], greedy), progress=progress, on_step=on_step
-        )
-        rewards, errors = [], []
-        for env, trace, seed in zip(envs, traces, env_seeds, strict=True):
-            try:
-                rewards.append(reply_reward(env, self.chat, trace))
-                errors.append(None)
-            except Exception as err:  # one environment failing must not take the batch down
-                rewards.append(0.0)
-                errors.append(f"seed {seed}: {failure(err)}")
-        stats = RolloutCost(
-            episodes=len(traces),
-            tokens_forwarded=sum(len(t) - 1 for t in traces),
-            tokens_trace=sum(len(t) for t in traces),
-            kv_peak_bytes=engine.last_stats.kv_bytes_allocated,
-            # the most entries a query attended to (per layer and head), as the episode runner counts
-            # it; the engine's slot capacity is only what was allocated
-            kv_peak_entries=max(int(t.visible_counts().max()) for t in traces),
-            reward_mean=sum(rewards) / len(rewards),
-        )
-        samples = [
-            Sample(t, g, i, rw) for i, (t, g, rw) in enumerate(zip(traces, groups, rewards, strict=True))
-        ]
-        return RolloutBatch(samples, rewards, stats, errors=errors)

@@ -1,5 +1,9 @@
 """Token sampling: temperature, top-k, top-p; the recorded log-prob is the one sampled from.
 
+The sampling law both sides stand on: the samplers (``engine/``, ``episodes.py``) draw with
+:func:`sample`, the learner (``replay/``, ``train/learner.py``) scores with :func:`policy_logprobs`,
+and neither side imports the other.
+
 The sampler draws from the truncated distribution (top-k / top-p applied to the temperature-scaled
 logits, renormalised) and records that distribution's log-prob of the drawn token. The learner
 applies the same :func:`truncate` to its own logits (the trace keeps ``top_k``/``top_p``), so
