@@ -17,9 +17,9 @@ How a unit comes back is the runner's ``how``:
   through the model at new positions (what a retrieval-augmented pipeline does when it pastes a
   retrieved passage back). Costs their prefill; the trace is an ordinary one.
 
-The KV-streams authors' code sketches restoring archived KV and leaves it unresolved (the issue
-tracker's note of a 0.14 mismatch KL); here the archive path is exact by construction because the
-restored K/V are the sampler's own and the record says when they were visible. Where we differ from
+The KV-streams authors' code sketches restoring archived KV and leaves it unresolved (issue #27
+quotes a 0.14 mismatch KL from their notes). Here the archive path is exact by construction: the
+restored K/V are the sampler's own, and the record says when they were visible. Where we differ from
 the issue's wording: ``recompute`` does not write the tokens back at their *original* positions (one
 trace index holds one K/V, so a recomputed entry is a new entry). A model-triggered ``<recall>``
 action is not implemented: the tiny models never write one.
