@@ -128,13 +128,6 @@ class Trace:
             )
         return self.death.expand(n_layers, n_kv_heads, T)
 
-    def recalls_for(self, n_layers: int, n_kv_heads: int) -> torch.Tensor | None:
-        """``recalls`` broadcast to [n_layers, n_kv_heads, T, K, 2] (None without recalls)."""
-        if self.recalls is None:
-            return None
-        self.death_for(n_layers, n_kv_heads)  # the same shape check
-        return self.recalls.expand(n_layers, n_kv_heads, *self.recalls.shape[2:])
-
     def visible(self, layer: int = 0, head: int = 0) -> torch.Tensor:
         """Dense [T, T] bool visibility of one layer and KV head (for inspection and tests)."""
         at = (min(layer, self.death.shape[0] - 1), min(head, self.death.shape[1] - 1))

@@ -54,9 +54,8 @@ class ReplayBatch:
     spans: list[tuple[int, int, int]]
     sampling: list[tuple[float, int, float]]  # per trace: temperature, top_k, top_p it was sampled with
     causal: bool = False  # the visibility is plain causal attention (one trace per row, nothing evicted)
-    recalls: torch.Tensor | None = (
-        None  # [B, L or 1, H_kv or 1, T, K, 2] recall intervals, if any trace has them
-    )
+    # [B, L or 1, H_kv or 1, T, K, 2] recall intervals, when a trace has them
+    recalls: torch.Tensor | None = None
 
     def to(self, device) -> ReplayBatch:
         return dataclasses.replace(
