@@ -46,6 +46,11 @@ class WarmStart(_Table):
         None, description="environment options for the demonstrations (default: the rollout's)"
     )
     sft: bool = Field(True, description="false: the fresh random model itself (the bandit rung)")
+    set: dict[str, Any] | None = Field(
+        None,
+        description="dotted overrides of [base] for the SFT and its validation, e.g. "
+        '{ "rollout.mode" = "full" } to validate with full context (default: the first arm\'s config)',
+    )
 
 
 class Evaluation(_Table):
