@@ -452,3 +452,20 @@ def test_recall_memory_quick_evaluates_each_arm_without_training(tmp_path):
     held = {name: run["final"]["eval/kv/visible_max_mean"] for name, run in runs.items()}
     assert held["markovian"] < held["full"] and held["recall-archive"] <= held["full"]
     assert (out / "reward_main.png").is_file() and "final vs reference" in (out / "results.md").read_text()
+
+
+def test_recall_rl_quick_trains_with_recall_and_evaluates_without(tmp_path):
+    out = tmp_path / "recall-rl"
+    assert main(["experiment", "recall-rl", "--quick", "--out", str(out)]) == 0
+    runs = _runs(out)
+    assert set(runs) == {"markovian", "recall"}
+    assert runs["recall"]["final"]["eval/recalls_per_episode"] > 0
+    assert runs["markovian"]["final"]["eval/recalls_per_episode"] == 0
+    for run in runs.values():  # the evaluation without recall really ran without it
+        assert run["evals"]["without recall"]["eval/recalls_per_episode"] == 0
+    # the warm start's SFT validates with [warm_start] set (full context), not the first arm's mode
+    spec = load_spec("recall-rl")
+    assert spec.arms[0].name == "markovian"
+    assert spec.arm_config(spec.warm_start_arm(), 0, "m", tmp_path, False).rollout.mode == "full"
+    other = load_spec("recurrence-discoverable")  # no [warm_start] set: the first arm's config
+    assert other.warm_start_arm() is other.arms[0]

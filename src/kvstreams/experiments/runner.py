@@ -71,8 +71,7 @@ def _make_warm_start(spec: ExperimentSpec, ws, seed: int, out: Path, quick: bool
     if not ws.sft:
         write_json(out / "base" / "fresh.json", {"seed": seed, "arch": ws.arch})
         return str(out / "base")
-    arm = Arm(name="warm-start", set=ws.set) if ws.set is not None else spec.arms[0]
-    cfg = spec.arm_config(arm, seed, str(out / "base"), out / "unused", quick)
+    cfg = spec.arm_config(spec.warm_start_arm(), seed, str(out / "base"), out / "unused", quick)
     cfg.sft.base, cfg.sft.out, cfg.sft.seed = str(out / "base"), str(out / "sft"), seed
     if quick and spec.quick.sft_steps:
         cfg.sft.steps = spec.quick.sft_steps

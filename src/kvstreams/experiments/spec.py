@@ -177,6 +177,14 @@ class ExperimentSpec(_Table):
             return [a for a in self.arms if a.name in self.quick.arms]
         return list(self.arms)
 
+    def warm_start_arm(self) -> Arm:
+        """Whose config the warm start's SFT (and its validation) runs with: ``[warm_start] set`` over
+        ``[base]`` when given, else the first arm's."""
+        ws = self.warm_start
+        if ws is not None and ws.set is not None:
+            return Arm(name="warm-start", set=ws.set)
+        return self.arms[0]
+
     def groups(self, arms: list[Arm]) -> list[str]:
         return list(dict.fromkeys(g for a in arms for g in a.groups))
 
