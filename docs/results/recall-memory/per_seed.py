@@ -47,7 +47,12 @@ def main(path: Path) -> None:
         ("recall-archive - recall-recompute", "recall-archive", "recall-recompute", "eval/reward_mean"),
         ("kv: recall-archive - markovian", "recall-archive", "markovian", "eval/kv/visible_max_mean"),
         ("kv: full - recall-archive", "full", "recall-archive", "eval/kv/visible_max_mean"),
-        ("fed: recompute - archive", "recall-recompute", "recall-archive", "eval/tokens_forwarded_per_episode"),
+        (
+            "fed: recompute - archive",
+            "recall-recompute",
+            "recall-archive",
+            "eval/tokens_forwarded_per_episode",
+        ),
         ("fed: archive - markovian", "recall-archive", "markovian", "eval/tokens_forwarded_per_episode"),
     ]
     for label, a, b, key in pairs:

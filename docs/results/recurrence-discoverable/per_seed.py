@@ -48,26 +48,17 @@ def main(path: Path) -> None:
     print(
         f"markovian: reward under compaction within 0.1 of 1/6 on {sum(abs(x - CHANCE) <= 0.1 for x in reward)} of {len(m)}"
     )
-    diff = [
-        runs["markovian", s]["evals"]["under compaction"]["eval/reward_mean"]
-        - runs["no-compaction", s]["evals"]["under compaction"]["eval/reward_mean"]
-        for s in seeds
-    ]
-    print(
-        "markovian - no-compaction, reward under compaction: "
-        + " ".join(f"{x:+.3f}" for x in diff)
-        + f"   mean {ci(diff)}"
-    )
-    diff = [
-        runs["markovian", s]["evals"]["under compaction"]["eval/env/carried"]
-        - runs["no-compaction", s]["evals"]["under compaction"]["eval/env/carried"]
-        for s in seeds
-    ]
-    print(
-        "markovian - no-compaction, carried under compaction: "
-        + " ".join(f"{x:+.4f}" for x in diff)
-        + f"   mean {ci(diff)}"
-    )
+    for key, label in (("eval/reward_mean", "reward"), ("eval/env/carried", "carried")):
+        diff = [
+            runs["markovian", s]["evals"]["under compaction"][key]
+            - runs["no-compaction", s]["evals"]["under compaction"][key]
+            for s in seeds
+        ]
+        print(
+            f"markovian - no-compaction, {label} under compaction: "
+            + " ".join(f"{x:+.4f}" for x in diff)
+            + f"   mean {ci(diff)}"
+        )
 
 
 if __name__ == "__main__":

@@ -48,8 +48,10 @@ def main(path):
     by = {(r["arm"], r["seed"]): r for r in runs}
     arms = sorted({r["arm"] for r in runs})
     seeds = sorted({r["seed"] for r in runs})
-    print("arm | seed | pass@1 by eval step | final | train s | tokens fwd | s to 0.6 | tokens to 0.6 | "
-          "common mode: pass@1, fact_survival")
+    print(
+        "arm | seed | pass@1 by eval step | final | train s | tokens fwd | s to 0.6 | tokens to 0.6 | "
+        "common mode: pass@1, fact_survival"
+    )
     for arm in arms:
         for s in seeds:
             r = by.get((arm, s))
@@ -58,12 +60,17 @@ def main(path):
             sec, tok, evals = to_target(r)
             train_s = sum(x.get("time/step_seconds", 0.0) for x in r["steps"])
             common = r["evals"].get("stream markovian", {})
-            print(f"{arm} | {s} | {' '.join(f'{v:.3f}' for _, v in sorted(evals.items()))} | "
-                  f"{r['final']['eval/reward_mean']:.3f} | {train_s:.0f} | {r['tokens_forwarded']:.0f} | "
-                  f"{'-' if sec is None else f'{sec:.0f}'} | {'-' if tok is None else f'{tok:.0f}'} | "
-                  f"{common.get('eval/reward_mean', float('nan')):.3f}, {common.get('fact_survival', float('nan')):.3f}")
-    pairs = [("reprefill-markovian", "stream-markovian"), ("reprefill-sliding", "stream-sliding"),
-             ("full", "stream-markovian")]
+            print(
+                f"{arm} | {s} | {' '.join(f'{v:.3f}' for _, v in sorted(evals.items()))} | "
+                f"{r['final']['eval/reward_mean']:.3f} | {train_s:.0f} | {r['tokens_forwarded']:.0f} | "
+                f"{'-' if sec is None else f'{sec:.0f}'} | {'-' if tok is None else f'{tok:.0f}'} | "
+                f"{common.get('eval/reward_mean', float('nan')):.3f}, {common.get('fact_survival', float('nan')):.3f}"
+            )
+    pairs = [
+        ("reprefill-markovian", "stream-markovian"),
+        ("reprefill-sliding", "stream-sliding"),
+        ("full", "stream-markovian"),
+    ]
     for a, b in pairs:
         both = [s for s in seeds if (a, s) in by and (b, s) in by]
         if not both:
@@ -71,7 +78,10 @@ def main(path):
         ra, rb = [by[(a, s)] for s in both], [by[(b, s)] for s in both]
         secs = lambda r: sum(x.get("time/step_seconds", 0.0) for x in r["steps"])  # noqa: E731
         print(f"\n{a} vs {b}, seeds {both}")
-        print("  tokens ratio per seed:", [round(x["tokens_forwarded"] / y["tokens_forwarded"], 2) for x, y in zip(ra, rb)])
+        print(
+            "  tokens ratio per seed:",
+            [round(x["tokens_forwarded"] / y["tokens_forwarded"], 2) for x, y in zip(ra, rb)],
+        )
         print("  train seconds ratio per seed:", [round(secs(x) / secs(y), 2) for x, y in zip(ra, rb)])
         d = [y["final"]["eval/reward_mean"] - x["final"]["eval/reward_mean"] for x, y in zip(ra, rb)]
         print(f"  final pass@1, {b} minus {a}, per seed:", [round(v, 3) for v in d], "mean ± 95% CI:", ci(d))

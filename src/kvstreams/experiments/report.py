@@ -267,12 +267,7 @@ def plot_curves(
             ax.set_ylabel("eval reward (sampled): mean, 95% band, seeds")
             ax.grid(alpha=0.3)
         axes[0][0].legend(fontsize=7)
-        fig.suptitle(f"{spec.name}: {group}", fontsize=10)
-        fig.tight_layout()
-        path = out / f"reward_{group}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save(fig, f"{spec.name}: {group}", out / f"reward_{group}.png"))
     return written
 
 
@@ -305,13 +300,20 @@ def plot_arms(spec: ExperimentSpec, arms: list[Arm], runs: dict[str, list[dict[s
             ax.set_xticks(range(len(members)), [a.label or a.name for a in members], fontsize=7, rotation=15)
             ax.set_ylabel(label)
             ax.grid(alpha=0.3, axis="y")
-        fig.suptitle(f"{spec.name}: {group} (dots: seeds; bars: mean ± 95% CI)", fontsize=10)
-        fig.tight_layout()
-        path = out / f"reward_{group}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        title = f"{spec.name}: {group} (dots: seeds; bars: mean ± 95% CI)"
+        written.append(_save(fig, title, out / f"reward_{group}.png"))
     return written
+
+
+def _save(fig, title: str, path: Path) -> Path:
+    """Title, lay out, write and close one figure."""
+    import matplotlib.pyplot as plt
+
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def _band(runs: list[dict[str, Any]], x: str):

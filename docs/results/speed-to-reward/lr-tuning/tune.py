@@ -1,4 +1,5 @@
 """lr tuning for speed-to-reward (docs/results.md 3b): full-context arm, seed 5, 40 steps, eval every 10."""
+
 import sys, time
 from pathlib import Path
 from kvstreams.experiments.spec import load_spec
