@@ -8,6 +8,7 @@ import torch
 
 from conftest import random_prompts
 from kvstreams.engine import RolloutEngine, SamplingParams
+from kvstreams.errors import KVStreamsError
 from kvstreams.policies import POLICIES, make_policy
 from kvstreams.replay import replay_logprobs
 from kvstreams.verify import Agreement
@@ -85,6 +86,32 @@ def test_padded_and_packed_replay_agree(qwen):
         m = t.sampled_mask
         assert torch.allclose(a[m], b[m], atol=1e-5)
         assert (a[m] - t.sampler_logprobs[m]).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("mode", ["shadow", "dense"])
+def test_left_padded_rows_replay_like_rows_at_column_0(qwen, mode):
+    """``collate(offsets=...)``, the layout of trainers that left-pad prompts (the TRL plug-in): trace
+    i starts at column offsets[i]; the padding before it is seen by no real query."""
+    from kvstreams.models import model_shape
+    from kvstreams.replay import collate, replay_logits, token_logprobs
+
+    model, tok = qwen
+    traces = RolloutEngine(model, tok, make_policy("snapkv", budget=64)).generate(
+        random_prompts(2, [40, 70], seed=9), SamplingParams(max_new_tokens=60, seed=3, stop_token_ids=())
+    )
+    shape = model_shape(model)
+    plain = collate(traces, shape.n_layers, shape.n_kv_heads, mode=mode)
+    shifted = collate(
+        traces, shape.n_layers, shape.n_kv_heads, mode=mode, offsets=[7, 9], width=plain.tokens.shape[1] + 9
+    )
+    assert not shifted.causal and shifted.spans[0] == (0, 7, len(traces[0]))
+    with torch.no_grad():
+        expected = token_logprobs(replay_logits(model, plain), plain)
+        got = token_logprobs(replay_logits(model, shifted), shifted)
+    for a, b in zip(expected, got, strict=True):
+        assert torch.allclose(a[1:], b[1:], atol=1e-5)
+    with pytest.raises(KVStreamsError, match="width"):
+        collate(traces, shape.n_layers, shape.n_kv_heads, offsets=[7, 9], width=plain.tokens.shape[1])
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "blocksparse"])

@@ -67,6 +67,25 @@ class ReplayBatch:
         )
 
 
+def _layout(
+    lengths: list[int], packed: bool, multiple_of: int, offsets: Sequence[int] | None, width: int | None
+) -> tuple[int, int, list[tuple[int, int, int]]]:
+    """Rows, row width and each trace's (row, start, length), as :func:`collate` documents."""
+    if offsets is not None and (packed or len(offsets) != len(lengths)):
+        raise KVStreamsError("offsets: one per trace, and only for padded rows")
+    if packed:
+        starts = [sum(lengths[:i]) for i in range(len(lengths))]
+        rows, needed, spans = 1, sum(lengths), [(0, s, n) for s, n in zip(starts, lengths, strict=True)]
+    else:
+        starts = list(offsets) if offsets is not None else [0] * len(lengths)
+        rows, needed = len(lengths), max(s + n for s, n in zip(starts, lengths, strict=True))
+        spans = [(i, s, n) for i, (s, n) in enumerate(zip(starts, lengths, strict=True))]
+    needed = -(-needed // multiple_of) * multiple_of
+    if width is not None and width < needed:
+        raise KVStreamsError(f"traces need rows of {needed} columns, more than the width {width} asked for")
+    return rows, (needed if width is None else width), spans
+
+
 def collate(
     traces: Sequence[Trace],
     n_layers: int,
@@ -74,11 +93,15 @@ def collate(
     mode: Mode = "shadow",
     packed: bool = False,
     multiple_of: int = 1,
+    offsets: Sequence[int] | None = None,
+    width: int | None = None,
 ) -> ReplayBatch:
     """Lay traces out padded (one per row) or packed (all in one row), with ``mode``'s visibility.
 
     ``multiple_of`` rounds the row width up: the flex backend compiles one kernel per shape, so
-    widths are bucketed by its block size.
+    widths are bucketed by its block size. ``offsets`` (padded rows only) starts trace i at column
+    ``offsets[i]`` of its row, and ``width`` fixes the row width: the layout of trainers that
+    left-pad prompts (TRL's prompt + completion rows, :mod:`kvstreams.integrations.trl`).
     """
     if mode not in REPLAY_MODES:
         raise KVStreamsError(f"unknown replay mode {mode!r}; choose {' or '.join(REPLAY_MODES)}")
@@ -87,15 +110,7 @@ def collate(
     L = 1 if mode == "dense" or all(t.death.shape[0] == 1 for t in traces) else n_layers
     H = 1 if mode == "dense" or all(t.death.shape[1] == 1 for t in traces) else n_kv_heads
     K = 0 if mode == "dense" else max(0 if t.recalls is None else t.recalls.shape[3] for t in traces)
-    lengths = [len(t) for t in traces]
-    if packed:
-        rows, width = 1, sum(lengths)
-        starts = [sum(lengths[:i]) for i in range(len(traces))]
-        spans = [(0, s, n) for s, n in zip(starts, lengths, strict=True)]
-    else:
-        rows, width = len(traces), max(lengths)
-        spans = [(i, 0, n) for i, n in enumerate(lengths)]
-    width = -(-width // multiple_of) * multiple_of
+    rows, width, spans = _layout([len(t) for t in traces], packed, multiple_of, offsets, width)
     tokens = torch.zeros(rows, width, dtype=torch.long)
     positions = torch.zeros(rows, width, dtype=torch.long)
     # Filler entries are visible to themselves only, so they never leak into real queries.
@@ -117,6 +132,7 @@ def collate(
     # One trace per row that evicts nothing (dense mode, or re-prefill segments) is plain causal
     # attention: right padding never reaches a real query, so the row needs no mask at all.
     causal = not packed and (mode == "dense" or all(t.n_evicted == 0 for t in traces))
+    causal = causal and not any(start for _, start, _ in spans)  # left padding must stay invisible
     return ReplayBatch(tokens, positions, death, spans, sampling, causal=causal, recalls=recalls)
 
 
