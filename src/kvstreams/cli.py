@@ -328,9 +328,9 @@ def _add_measuring_commands(sub) -> None:
     p = sub.add_parser(
         "bench",
         help="benchmarks: stream vs re-prefill rollouts, learner replay memory, decode throughput, "
-        "the real-model premise, scale-out (cluster)",
+        "the real-model premise, scale-out (cluster), the machine's limit (roofline)",
     )
-    p.add_argument("which", choices=["rollout", "learner", "decode", "premise", "cluster", "all"])
+    p.add_argument("which", choices=["rollout", "learner", "decode", "premise", "cluster", "roofline", "all"])
     p.add_argument("--quick", action="store_true", help="small settings that only check the commands work")
     p.add_argument("--out", default="runs/bench", help="directory for <bench>.json and the PNG plots")
     p.add_argument("--models", default=None, help="where the bench models live (default: OUT/models)")
@@ -356,6 +356,11 @@ def _add_measuring_commands(sub) -> None:
         "--kvpress-python",
         default=None,
         help="decode: a Python whose environment has kvpress (e.g. .venv-kvpress/bin/python) to compare with",
+    )
+    p.add_argument(
+        "--llama-cpp",
+        default=None,
+        help="roofline: a llama.cpp source directory with its tools built (make llama-cpp: .llama-cpp/llama.cpp)",
     )
 
     p = sub.add_parser(
@@ -965,6 +970,10 @@ def cmd_bench(args) -> int:
             settings = settings.on_device(args.device)  # type: ignore[attr-defined]
         if name == "decode":
             settings.kvpress_python = args.kvpress_python
+        if name == "roofline":
+            settings.llama_cpp = args.llama_cpp
+        elif args.llama_cpp:
+            raise KVStreamsError("--llama-cpp is for bench roofline")
         report = run(settings, models, out)
         report.settings["quick"] = args.quick
         report.save(out / f"{name}{'-quick' if args.quick else ''}.json")

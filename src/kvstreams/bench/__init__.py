@@ -1,5 +1,6 @@
 """Benchmarks of the two papers' efficiency claims (`kvstreams bench rollout|learner|decode`), the
-real-model premise (`premise`) and scale-out (`cluster`).
+real-model premise (`premise`), scale-out (`cluster`) and the machine's limit (`roofline`, with
+llama.cpp as the bar).
 
 Each bench runs the compared settings side by side in one process (ratios, not absolute times, are
 what carries over between machines), prints tables, writes JSON and PNG plots, and records the
@@ -12,6 +13,7 @@ from kvstreams.bench.learner import LearnerBenchSettings, bench_learner
 from kvstreams.bench.premise import PremiseBenchSettings, bench_premise
 from kvstreams.bench.report import BenchReport, print_report
 from kvstreams.bench.rollout import RolloutBenchSettings, bench_rollout
+from kvstreams.bench.roofline import RooflineBenchSettings, bench_roofline
 
 BENCHES = {
     "rollout": (RolloutBenchSettings, bench_rollout),
@@ -19,6 +21,7 @@ BENCHES = {
     "decode": (DecodeBenchSettings, bench_decode),
     "premise": (PremiseBenchSettings, bench_premise),
     "cluster": (ClusterBenchSettings, bench_cluster),
+    "roofline": (RooflineBenchSettings, bench_roofline),
 }
 ALL = ("rollout", "learner", "decode")  # `bench all`; premise needs the real model (make bench-real)
 
@@ -30,10 +33,12 @@ __all__ = [
     "LearnerBenchSettings",
     "PremiseBenchSettings",
     "RolloutBenchSettings",
+    "RooflineBenchSettings",
     "bench_cluster",
     "bench_decode",
     "bench_learner",
     "bench_premise",
     "bench_rollout",
+    "bench_roofline",
     "print_report",
 ]

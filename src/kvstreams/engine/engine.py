@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from kvstreams.attention import AttentionContext
 from kvstreams.engine.cache import SlotCache
@@ -153,6 +154,19 @@ class DecodeStep(AttentionContext):
     def attend(
         self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
     ) -> torch.Tensor:
+        with record_function("kvstreams::attend"):
+            out = self._attend(layer, query, key, value, scale)
+        if self.any_evicting:
+            with record_function("kvstreams::evict"):
+                self._evict(layer)
+        if self.cache.window is not None:
+            self.cache.window[layer].masked_fill_(self.new_window[:, None, None], 0.0)
+        return out
+
+    def _attend(
+        self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """Write the step's K/V, attend over the live slots, update the policy's attention statistics."""
         cache, batch = self.cache, self.batch
         cache.write_chunk(layer, key, value, batch.query_index[:, None])
         keys, values, index = cache.keys[layer], cache.values[layer], cache.index[layer]
@@ -166,23 +180,25 @@ class DecodeStep(AttentionContext):
                 cache.cumulative[layer] += received
             if cache.window is not None:
                 cache.window[layer] += received * self.in_window[:, None, None]
-        if self.any_evicting:
-            policy = self.engine.policy
-            view = EntryView(
-                layer=layer,
-                keys=keys,
-                index=index,
-                query_index=batch.query_index,
-                budget=batch.budget,
-                attn_cumulative=None if cache.cumulative is None else cache.cumulative[layer],
-                attn_window=None if cache.window is None else cache.window[layer],
-                generator=self.generator,
-            )
-            keep = choose_kept(policy, view, batch.target, self.evicting)
-            cache.evict_slots(layer, live & ~keep, evicted_before(batch.query_index + 1))
-        if cache.window is not None:
-            cache.window[layer].masked_fill_(self.new_window[:, None, None], 0.0)
         return out
+
+    def _evict(self, layer: int) -> None:
+        """The eviction round of this layer: the policy scores the live slots, the rest are evicted."""
+        cache, batch = self.cache, self.batch
+        index = cache.index[layer]
+        live = index >= 0
+        view = EntryView(
+            layer=layer,
+            keys=cache.keys[layer],
+            index=index,
+            query_index=batch.query_index,
+            budget=batch.budget,
+            attn_cumulative=None if cache.cumulative is None else cache.cumulative[layer],
+            attn_window=None if cache.window is None else cache.window[layer],
+            generator=self.generator,
+        )
+        keep = choose_kept(self.engine.policy, view, batch.target, self.evicting)
+        cache.evict_slots(layer, live & ~keep, evicted_before(batch.query_index + 1))
 
 
 class Schedule:
@@ -385,7 +401,8 @@ class RolloutEngine:
         record = _Batched(prompts, self.weights_version)
 
         for step_no in range(G):
-            new_tokens, new_lp = sample(logits, params, generator)
+            with record_function("kvstreams::sample"):
+                new_tokens, new_lp = sample(logits, params, generator)
             done = record.add(batch.seq, new_tokens, new_lp, self.weights_version, stop_ids, step_no == G - 1)
             if progress is not None:
                 progress(1)

@@ -4,8 +4,9 @@ learner see what the sampler saw (``pip install kvstreams[trl]``; tested with tr
 - :class:`KVStreamsRollout` is a ``rollout_func`` for ``GRPOTrainer``. It plays kvstreams
   environments on ``trainer.model`` (single-turn or multi-turn; any KV compression policy; compaction
   in ``stream`` mode; recall), returns what TRL expects (``prompt_ids``, ``completion_ids``,
-  ``logprobs``, ``env_mask`` = 0 on environment tokens) plus ``env_reward``, and keeps the traces with
-  their visibility record for the trainer. ``rollout.dataset(seeds)`` is the prompt dataset and
+  ``logprobs``, ``env_mask`` = 0 on environment tokens) plus ``env_reward`` and ``kvstreams_trace``
+  (both reach TRL's reward functions), and keeps the traces with their visibility record for the
+  trainer. ``rollout.dataset(seeds)`` is the prompt dataset and
   ``rollout.reward`` the reward function that hands the environment's reward to TRL.
 - :class:`KVStreamsGRPOTrainer` is a ``GRPOTrainer`` whose learner forward
   (``_get_per_token_logps_and_entropies``) replays each row's record, so old, reference and current
@@ -66,22 +67,21 @@ from kvstreams.train import loss as losses  # noqa: E402
 from kvstreams.train.config import RolloutSection  # noqa: E402
 from kvstreams.train.mismatch import mismatch_metrics  # noqa: E402
 
-TRL_BACKENDS = ("sdpa", "blocksparse")
+TRL_BACKENDS = ("sdpa", "blocksparse")  # the replay backends with a backward on CPU
+SEED_KEY = "kvstreams_seed"  # where a dataset prompt names its environment seed
 # [rollout] fields GRPOConfig owns: the sampler takes them from the trainer's arguments.
 _TRL_OWNED = ("temperature", "top_p", "top_k", "group_size", "prompts_per_step", "max_new_tokens")
-
-
-SEED_KEY = "kvstreams_seed"  # where a dataset prompt names its environment seed
 
 
 class KVStreamsRollout:
     """``GRPOTrainer(rollout_func=...)`` backed by kvstreams' sampler.
 
-    The keyword arguments are a config's ``[rollout]`` section (``docs/config.md``) minus what
-    ``GRPOConfig`` owns (temperature, top-p/k, group size): ``env``, ``env_args``, ``policy`` and
-    ``policy_args`` (KV compression while sampling), ``strategy`` (+ ``strategy_args``,
-    ``strategy_preset``) and ``mode`` (``stream`` or ``full``; ``reprefill`` splits an episode into
-    segments, which a TRL sample cannot hold), ``recall``, ``max_reply_tokens``, ``block_size``.
+    The keyword arguments are a config's ``[rollout]`` section
+    (:class:`~kvstreams.train.config.RolloutSection`) minus what ``GRPOConfig`` owns (temperature,
+    top-p/k, group size): ``env``, ``env_args``, ``policy`` and ``policy_args`` (KV compression while
+    sampling), ``strategy`` (+ ``strategy_args``, ``strategy_preset``) and ``mode`` (``stream`` or
+    ``full``; ``reprefill`` splits an episode into segments, which a TRL sample cannot hold),
+    ``recall``, ``max_reply_tokens``, ``block_size``.
 
     >>> rollout = KVStreamsRollout(env="recall", policy="snapkv", policy_args={"budget": 0.5})
     >>> trainer = KVStreamsGRPOTrainer(model, reward_funcs=rollout.reward, rollout_func=rollout,
@@ -161,7 +161,7 @@ class KVStreamsRollout:
     def _to_trl(self, results) -> dict[str, list]:
         """Each episode's one trace cut where the model starts writing: prompt before, completion after."""
         out: dict[str, list] = {k: [] for k in ("prompt_ids", "completion_ids", "logprobs", "env_mask")}
-        out["env_reward"] = []
+        out["env_reward"], out["kvstreams_trace"] = [], []  # both reach TRL's reward functions
         self.traces = []
         for result in results:
             if len(result.traces) != 1 or not bool(result.traces[0].sampled_mask.any()):
@@ -179,6 +179,7 @@ class KVStreamsRollout:
             out["logprobs"].append(trace.sampler_logprobs[first:].tolist())
             out["env_mask"].append(trained[first:].int().tolist())
             out["env_reward"].append(None if result.error else float(result.reward))
+            out["kvstreams_trace"].append(trace)
             self.traces.append(trace)
         return out
 
