@@ -224,7 +224,7 @@ def test_bench_roofline_quick_reports_peak_phases_profile_and_targets(tmp_path, 
     out = tmp_path / "bench"
     assert main(["bench", "roofline", "--quick", "--out", str(out), "--models", str(bench_models)]) == 0
     report = json.loads((out / "roofline-quick.json").read_text())
-    peaks, phases, profile = (s["rows"] for s in report["sections"])
+    peaks, phases, profile, steps = (s["rows"] for s in report["sections"])
     peak = report["settings"]["peak tiny"]
     assert peak["fp32 GFLOP/s"] == max(r["GFLOP/s"] for r in peaks if r["dtype"] == "float32")
     assert peak["bandwidth GB/s"] > 0
@@ -236,7 +236,45 @@ def test_bench_roofline_quick_reports_peak_phases_profile_and_targets(tmp_path, 
     assert shares == pytest.approx([100.0] * len(profile), abs=0.5)  # the parts add up to the wall-clock
     assert any(r["attention %"] > 0 and r["linear %"] > 0 for r in profile)
     assert {t["name"].split(":")[0] for t in report["targets"]} >= {"learner forward + backward"}
+    variants = {r["variant"]: r for r in steps}
+    assert set(variants) == {"fp32", "bf16", "fp32 + LoRA r=8"}
+    for name in ("fp32", "fp32 + LoRA r=8"):  # the replay stays exact in fp32, with or without LoRA
+        assert variants[name]["shadow max |Δ log p|"] < 1e-4
+    assert all(r["step s"] == pytest.approx(r["rollout s"] + r["learner s"]) for r in steps)
     assert (out / "roofline-tiny.png").is_file()
     assert missing(None).startswith("not run: pass --llama-cpp")
     assert "not built" in missing(tmp_path)
     assert main(["bench", "decode", "--quick", "--llama-cpp", str(tmp_path), "--out", str(out)]) == 2
+
+
+def test_llama_cpp_side_parses_batched_bench_and_survives_a_crashing_precision(tmp_path):
+    """Fake llama.cpp tools: quantize copies, batched-bench prints its JSON lines for F32 and BF16 and
+    dies of SIGILL on Q4_1 (as AMX kernels do in this machine's VM): rows for the two, a note for it."""
+    from types import SimpleNamespace
+
+    from kvstreams.bench.llama_cpp import llama_cpp_rows
+
+    bin_dir = tmp_path / "llama" / "build" / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "llama-quantize").write_text('#!/bin/sh\ncp "$2" "$3"\n')
+    line = '{"pl": %s, "speed_tg": 50.0, "speed_pp": 900.0}'
+    (bin_dir / "llama-batched-bench").write_text(
+        '#!/bin/sh\ncase "$2" in *Q4_1*) kill -ILL $$;; esac\n'
+        + "".join(f"echo '{line % b}'\n" for b in (1, 8))
+    )
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    source = tmp_path / "m.Q4_1.gguf"
+    source.write_text("gguf")
+    settings = SimpleNamespace(llama_cpp=str(tmp_path / "llama"), prompt_len=8, new_tokens=4, batches=[1, 8])
+    ours = [
+        {"phase": "decode", "batch": 1, "tokens/s": 25.0},
+        {"phase": "decode", "batch": 8, "tokens/s": 100.0},
+    ]
+    rows = llama_cpp_rows(settings, "m", source, ours, tmp_path / "out").rows
+    measured = [(r["precision"], r["batch"], r["kvstreams fp32 / this"]) for r in rows if "batch" in r]
+    assert measured == [("F32", 1, 0.5), ("F32", 8, 2.0), ("BF16", 1, 0.5), ("BF16", 8, 2.0)]
+    assert (tmp_path / "out" / "models" / "m.F32.gguf").is_file()
+    failed = [r for r in rows if r.get("precision") == "Q4_1"]
+    assert len(failed) == 1 and failed[0]["note"].startswith("failed (signal 4)")
+    assert llama_cpp_rows(settings, "tiny", None, ours, tmp_path).rows[0]["note"] == "no GGUF of this model"

@@ -73,8 +73,9 @@ def batched_bench(
     return [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
 
 
-def llama_cpp_rows(settings: Any, label: str, model_dir: Path, ours: list[dict], out: Path) -> Section:
-    """The side-by-side section for one model: llama.cpp at each precision vs kvstreams fp32 decode."""
+def llama_cpp_rows(settings: Any, label: str, source: Path | None, ours: list[dict], out: Path) -> Section:
+    """The side-by-side section for one model (``source``: its GGUF, None when it has none): llama.cpp
+    at each precision vs kvstreams' fp32 decode rows ``ours``."""
     import torch
 
     section = Section(
@@ -85,7 +86,6 @@ def llama_cpp_rows(settings: Any, label: str, model_dir: Path, ours: list[dict],
         "llama.cpp's speed_tg; kvstreams: the roofline bench's decode rows (full cache)",
     )
     reason = missing(settings.llama_cpp)
-    source = _gguf_of(label)
     if reason or source is None:
         section.rows.append(
             {"model": label, "engine": "llama.cpp", "note": reason or "no GGUF of this model"}
@@ -93,11 +93,17 @@ def llama_cpp_rows(settings: Any, label: str, model_dir: Path, ours: list[dict],
         return section
     mine = {r["batch"]: r["tokens/s"] for r in ours if r["phase"] == "decode"}
     for precision in PRECISIONS:
-        gguf = gguf_at(settings.llama_cpp, source, precision, out / "models")
-        found = batched_bench(
-            settings.llama_cpp, gguf, settings.prompt_len, settings.new_tokens, settings.batches,
-            torch.get_num_threads(),
-        )  # fmt: skip
+        try:
+            gguf = gguf_at(settings.llama_cpp, source, precision, out / "models")
+            found = batched_bench(
+                settings.llama_cpp, gguf, settings.prompt_len, settings.new_tokens, settings.batches,
+                torch.get_num_threads(),
+            )  # fmt: skip
+        except subprocess.CalledProcessError as err:  # one precision failing must not lose the report
+            why = f"signal {-err.returncode}" if err.returncode < 0 else f"exit {err.returncode}"
+            section.rows.append({"model": label, "engine": "llama.cpp", "precision": precision,
+                                 "note": f"failed ({why}): {Path(err.cmd[0]).name}"})  # fmt: skip
+            continue
         for r in found:
             speed = r["speed_tg"]
             section.rows.append(
@@ -108,8 +114,8 @@ def llama_cpp_rows(settings: Any, label: str, model_dir: Path, ours: list[dict],
     return section
 
 
-def _gguf_of(label: str) -> Path | None:
-    """The GGUF a registry model was converted from (None for models made here)."""
+def gguf_source(name: str) -> Path | None:
+    """The GGUF a registry model was converted from (None for models made here or given as paths)."""
     from kvstreams.pretrained import PRETRAINED, gguf_file
 
-    return gguf_file(label) if label in PRETRAINED else None
+    return gguf_file(name) if name in PRETRAINED else None

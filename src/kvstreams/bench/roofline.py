@@ -48,13 +48,18 @@ class RooflineBenchSettings:
     repeats: int = 2  # the best of these is reported
     seed: int = 0
     llama_cpp: str | None = None  # a llama.cpp directory with build/bin/llama-batched-bench
+    # one GRPO step's cost: episodes x reply tokens, shadow replay, SnapKV at ``budget``; fp32, bf16, LoRA
+    step_episodes: int = 64
+    step_reply_tokens: int = 128
+    step_micro_batch: int = 8  # traces per learner forward + backward
 
     @classmethod
     def preset(cls, quick: bool) -> RooflineBenchSettings:
         if quick:
             return cls(
                 models=["tiny"], batches=[1, 4], prompt_len=128, new_tokens=32, learner_batch=2,
-                gemm_tokens=[1, 64], copy_mb=64, repeats=1,
+                gemm_tokens=[1, 64], copy_mb=64, repeats=1, step_episodes=4, step_reply_tokens=32,
+                step_micro_batch=2,
             )  # fmt: skip
         return cls()
 
@@ -261,6 +266,75 @@ def profile_row(model, tok, label: str, policy: str, batch: int, settings: Roofl
     return row | {f"{name} %": 100 * seconds / wall for name, seconds in parts.items()}
 
 
+# --- one GRPO step -------------------------------------------------------------------------------------
+STEP_VARIANTS = ("fp32", "bf16", "fp32 + LoRA r=8")
+
+
+def step_row(path: Path, label: str, variant: str, settings: RooflineBenchSettings) -> dict:
+    """Rollout (SnapKV at ``budget``, ``step_episodes`` x ``step_reply_tokens``) and learner (shadow
+    replay, block-sparse, forward + backward of every trace in micro-batches; no optimizer) of one GRPO
+    step, with the replay's agreement with the sampler on the sampled tokens."""
+    from kvstreams.engine import RolloutEngine, SamplingParams
+    from kvstreams.models import load_model
+    from kvstreams.policies import make_policy
+    from kvstreams.prompts import synthetic_prompts
+
+    model, tok = load_model(path, dtype="bfloat16" if variant == "bf16" else "float32")
+    if "LoRA" in variant:
+        try:
+            from peft import LoraConfig, get_peft_model
+        except ImportError:
+            return {
+                "model": label,
+                "variant": f"{variant}: not run (peft missing: pip install 'kvstreams[trl]')",
+            }
+
+        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    prompts = synthetic_prompts(tok, settings.step_episodes, settings.prompt_len, seed=settings.seed)
+    engine = RolloutEngine(model, tok, make_policy("snapkv", budget=settings.budget))
+    params = SamplingParams(max_new_tokens=settings.step_reply_tokens, stop_token_ids=(), seed=settings.seed)
+    start = time.perf_counter()
+    traces = engine.generate(prompts, params)
+    rollout_s = time.perf_counter() - start
+    learner_s, gap, peak_bytes = _learner_pass(model, traces, settings.step_micro_batch)
+    tokens = sum(len(t) for t in traces)
+    return {
+        "model": label, "variant": variant, "episodes": len(traces), "rollout s": rollout_s,
+        "rollout tokens/s": settings.step_episodes * settings.step_reply_tokens / rollout_s,
+        "learner s": learner_s, "learner tokens/s": tokens / learner_s, "step s": rollout_s + learner_s,
+        "learner peak MB": peak_bytes / 2**20, "shadow max |Δ log p|": gap,
+    }  # fmt: skip
+
+
+def _learner_pass(model, traces, micro_batch: int) -> tuple[float, float, int]:
+    """(seconds, max |learner - sampler| log-prob on sampled tokens, peak bytes) of forward + backward."""
+    from kvstreams.bench.report import measure_peak
+    from kvstreams.models import model_shape
+    from kvstreams.replay import collate, replay_logits, token_logprobs
+
+    shape = model_shape(model)
+    model.train()
+    gap, seconds, peak_bytes = 0.0, 0.0, 0
+    try:
+        for i in range(0, len(traces), micro_batch):
+            chunk = traces[i : i + micro_batch]
+            batch = collate(chunk, shape.n_layers, shape.n_kv_heads, mode="shadow")
+            with measure_peak() as peak:
+                start = time.perf_counter()
+                logps = token_logprobs(replay_logits(model, batch, backend="blocksparse"), batch)
+                torch.stack([lp[1:].sum() for lp in logps]).sum().backward()
+                seconds += time.perf_counter() - start
+            peak_bytes = max(peak_bytes, peak.extra)
+            for lp, t in zip(logps, chunk, strict=True):
+                gap = max(
+                    gap, float((lp.detach()[t.sampled_mask] - t.sampler_logprobs[t.sampled_mask]).abs().max())
+                )
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.eval()
+    return seconds, gap, peak_bytes
+
+
 # --- the bench ------------------------------------------------------------------------------------------
 def bench_roofline(
     settings: RooflineBenchSettings, models_dir: str | Path, out_dir: str | Path
@@ -269,8 +343,8 @@ def bench_roofline(
 
     started = time.perf_counter()
     report = BenchReport("roofline", settings=dict(settings.__dict__))
-    peaks, phases, profiles = _sections(report, settings)
-    per_model = 2 + 3 * len(settings.batches) + 1 + 2 + (1 if settings.llama_cpp else 0)
+    peaks, phases, profiles, steps = _sections(report, settings)
+    per_model = 2 + 3 * len(settings.batches) + 1 + 2 + len(STEP_VARIANTS) + (1 if settings.llama_cpp else 0)
     with progress_bar(per_model * len(settings.models)) as step:
         for name in settings.models:
             model, tok = load_model(bench_model(name, models_dir))
@@ -292,14 +366,17 @@ def bench_roofline(
             for policy in ("full", "snapkv"):
                 step(f"{label}: profile decode {policy}")
                 profiles.rows.append(profile_row(model, tok, label, policy, max(settings.batches), settings))
+            for variant in STEP_VARIANTS:
+                step(f"{label}: one GRPO step, {variant}")
+                steps.rows.append(step_row(bench_model(name, models_dir), label, variant, settings))
             if settings.llama_cpp:
-                from kvstreams.bench.llama_cpp import llama_cpp_rows
+                from kvstreams.bench.llama_cpp import gguf_source, llama_cpp_rows
 
                 step(f"{label}: llama.cpp")
-                report.sections.append(
-                    llama_cpp_rows(settings, label, bench_model(name, models_dir), rows, Path(out_dir))
-                )
-    _targets(report, phases.rows)
+                llama = llama_cpp_rows(settings, label, gguf_source(name), rows, Path(out_dir))
+                report.sections.append(llama)
+                _llama_target(report, llama.rows)
+    _targets(report, phases.rows, steps.rows)
     report.plots = _plots(phases.rows, report.settings, Path(out_dir))
     report.seconds = time.perf_counter() - started
     return report
@@ -325,11 +402,30 @@ def _sections(report: BenchReport, settings: RooflineBenchSettings):
         "slots + policy statistics; eviction: scoring, selection, death record; rest: Python, norms, "
         "RoPE, activations, prefill attention, profiler overhead",
     )  # fmt: skip
-    return peaks, phases, profiles
+    steps = report.section(
+        f"one GRPO step: {settings.step_episodes} episodes x {settings.step_reply_tokens}-token replies after "
+        f"{settings.prompt_len}-token prompts, SnapKV at {settings.budget:.0%}, shadow replay",
+        ("model", "variant", "episodes", "rollout s", "rollout tokens/s", "learner s", "learner tokens/s",
+         "step s", "learner peak MB", "shadow max |Δ log p|"),
+        note="learner: forward + backward of every trace (block-sparse, micro-batches of "
+        f"{settings.step_micro_batch}), no optimizer step; shadow max |Δ log p|: replay vs sampler on the "
+        "sampled tokens (bf16: compare with the bf16 floor of docs/real-model.md)",
+    )  # fmt: skip
+    return peaks, phases, profiles, steps
 
 
-def _targets(report: BenchReport, rows: list[dict]) -> None:
+def _targets(report: BenchReport, rows: list[dict], steps: list[dict]) -> None:
     """The issue's goals, each met or missed with the measured ratio."""
+    timed = [r for r in steps if "step s" in r]
+    if timed:
+        report.targets.append(
+            Target(
+                "one GRPO step (rollout + learner forward/backward)",
+                "<= 90 s",
+                ", ".join(f"{r['model']} {r['variant']}: {r['step s']:.0f} s" for r in timed),
+                all(r["step s"] <= 90 for r in timed),
+            )
+        )
     at32 = [r for r in rows if r["batch"] == 32 and r["phase"] in ("decode", "decode snapkv 50%")]
     learner = [r for r in rows if r["phase"] == "learner fwd+bwd"]
     for name, chosen in (("decode at batch 32", at32), ("learner forward + backward", learner)):
@@ -352,6 +448,19 @@ def _targets(report: BenchReport, rows: list[dict]) -> None:
                     f"{r['model']}: {r['bandwidth bound tokens/s'] / r['tokens/s']:.1f}x" for r in single
                 ),
                 all(r["bandwidth bound tokens/s"] / r["tokens/s"] <= 1.5 for r in single),
+            )
+        )
+
+
+def _llama_target(report: BenchReport, rows: list[dict]) -> None:
+    same = [r for r in rows if r.get("precision") == "F32" and "decode tokens/s" in r]
+    if same:
+        report.targets.append(
+            Target(
+                "batched decode tokens/s vs llama.cpp at the same precision (fp32), per batch",
+                ">= 1.0x",
+                ", ".join(f"x{r['batch']}: {r['kvstreams fp32 / this']:.2f}x" for r in same),
+                all(r["kvstreams fp32 / this"] >= 1.0 for r in same),
             )
         )
 
