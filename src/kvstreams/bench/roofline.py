@@ -209,27 +209,12 @@ def _row(label: str, phase: str, batch: int, tokens: int, seconds: float, flop: 
 
 
 def _learner_row(model, label, traces, flops: FlopModel, peak: float, settings) -> dict:
-    """One forward + backward of the shadow replay (block-sparse) over ``traces``, best of repeats."""
-    from kvstreams.models import model_shape
-    from kvstreams.replay import collate, replay_logits, token_logprobs
+    """One forward + backward of the shadow replay (block-sparse) over ``traces`` in one micro-batch,
+    best of repeats."""
 
-    shape = model_shape(model)
-    batch = collate(traces, shape.n_layers, shape.n_kv_heads, mode="shadow")
     tokens = sum(len(t) for t in traces)
     keys = mean_keys(traces, sampled_only=False)
-    model.train()
-    best = float("inf")
-    try:
-        for _ in range(max(1, settings.repeats)):
-            model.zero_grad(set_to_none=True)
-            start = time.perf_counter()
-            logits = replay_logits(model, batch, backend="blocksparse")
-            loss = torch.stack([lp[1:].sum() for lp in token_logprobs(logits, batch)]).sum()
-            loss.backward()
-            best = min(best, time.perf_counter() - start)
-    finally:
-        model.zero_grad(set_to_none=True)
-        model.eval()
+    best = min(_learner_pass(model, traces, len(traces))[0] for _ in range(max(1, settings.repeats)))
     return _row(label, "learner fwd+bwd", len(traces), tokens, best, 3 * flops.forward(tokens, keys), peak)
 
 
@@ -307,10 +292,12 @@ def step_row(path: Path, label: str, variant: str, settings: RooflineBenchSettin
 
 
 def _learner_pass(model, traces, micro_batch: int) -> tuple[float, float, int]:
-    """(seconds, max |learner - sampler| log-prob on sampled tokens, peak bytes) of forward + backward."""
+    """(seconds, max |learner - sampler| log-prob on sampled tokens, peak bytes) of forward + backward
+    of the sampled tokens' log-probs (one gather per micro-batch, as the learner does), in train mode."""
     from kvstreams.bench.report import measure_peak
     from kvstreams.models import model_shape
-    from kvstreams.replay import collate, replay_logits, token_logprobs
+    from kvstreams.replay import collate, predicting_rows, replay_logits
+    from kvstreams.sampling import policy_logprobs
 
     shape = model_shape(model)
     model.train()
@@ -319,16 +306,18 @@ def _learner_pass(model, traces, micro_batch: int) -> tuple[float, float, int]:
         for i in range(0, len(traces), micro_batch):
             chunk = traces[i : i + micro_batch]
             batch = collate(chunk, shape.n_layers, shape.n_kv_heads, mode="shadow")
+            positions = [t.sampled_mask.nonzero().squeeze(-1) for t in chunk]
             with measure_peak() as peak:
                 start = time.perf_counter()
-                logps = token_logprobs(replay_logits(model, batch, backend="blocksparse"), batch)
-                torch.stack([lp[1:].sum() for lp in logps]).sum().backward()
+                rows, targets = predicting_rows(
+                    replay_logits(model, batch, backend="blocksparse"), batch, positions
+                )
+                logp = policy_logprobs(rows, targets, chunk[0].temperature, chunk[0].top_k, chunk[0].top_p)
+                logp.sum().backward()
                 seconds += time.perf_counter() - start
             peak_bytes = max(peak_bytes, peak.extra)
-            for lp, t in zip(logps, chunk, strict=True):
-                gap = max(
-                    gap, float((lp.detach()[t.sampled_mask] - t.sampler_logprobs[t.sampled_mask]).abs().max())
-                )
+            sampler = torch.cat([t.sampler_logprobs[p] for t, p in zip(chunk, positions, strict=True)])
+            gap = max(gap, float((logp.detach().float().cpu() - sampler).abs().max()))
     finally:
         model.zero_grad(set_to_none=True)
         model.eval()

@@ -233,6 +233,18 @@ def replay_logits(model, batch: ReplayBatch, backend: Backend = "sdpa") -> torch
         return model(input_ids=batch.tokens, position_ids=batch.positions, use_cache=False).logits
 
 
+def predicting_rows(
+    logits: torch.Tensor, batch: ReplayBatch, positions: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits rows [N, V] predicting trace i's tokens at ``positions[i]`` (indices >= 1 within the
+    trace), and those tokens [N], in one gather for the whole batch: indexing trace by trace would
+    make the backward allocate a logits-sized gradient per trace."""
+    row = torch.cat([torch.full_like(p, r) for (r, _, _), p in zip(batch.spans, positions, strict=True)])
+    col = torch.cat([s + p for (_, s, _), p in zip(batch.spans, positions, strict=True)])
+    device = logits.device
+    return logits[row.to(device), (col - 1).to(device)], batch.tokens[row, col].to(device)
+
+
 def token_logprobs(logits: torch.Tensor, batch: ReplayBatch) -> list[torch.Tensor]:
     """Per trace, [T] log-prob of each token given what precedes it (NaN at index 0), float32 (float64
     for a float64 model), under the distribution the trace was sampled from (temperature, top-k/p)."""

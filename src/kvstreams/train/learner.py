@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from kvstreams.models import model_shape
-from kvstreams.replay import collate, replay_logits
+from kvstreams.replay import collate, predicting_rows, replay_logits
 from kvstreams.sampling import policy_logprobs
 from kvstreams.trace import Trace
 from kvstreams.train import loss as losses
@@ -166,14 +166,7 @@ class Learner:
             packed=self.cfg.optim.packed,
         )
         logits = replay_logits(model, batch, self.cfg.train.backend)
-        # one gather for the whole micro-batch: one index per trace would make the backward allocate
-        # a logits-sized gradient per trace
-        row = torch.cat(
-            [torch.full_like(i.positions, r) for (r, _, _), i in zip(batch.spans, mb.items, strict=True)]
-        )
-        col = torch.cat([s + i.positions for (_, s, _), i in zip(batch.spans, mb.items, strict=True)])
-        device = logits.device
-        return logits[row.to(device), (col - 1).to(device)], batch.tokens[row, col].to(device)
+        return predicting_rows(logits, batch, [i.positions for i in mb.items])
 
     def _logp(self, rows: torch.Tensor, targets: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         """log pi(token) [N] under each trace's sampling distribution (temperature, top-k, top-p),
