@@ -474,6 +474,7 @@ def _plots(rows: list[dict], settings: dict, out: Path) -> list[str]:
         ax.axhline(peak["fp32 GFLOP/s"], color="k", linestyle="--", label="fp32 GEMM peak")
         ax.axhline(peak["bf16 GFLOP/s"], color="grey", linestyle=":", label="bf16 GEMM peak")
         ax.set_xscale("log", base=2)
+        ax.set_yscale("log")  # decode at batch 1 sits two decades under the peaks
         ax.set_xlabel("batch (learner: traces)")
         ax.set_ylabel("achieved GFLOP/s (model FLOPs)")
         ax.set_title(f"{model}: each phase against this machine's peak")
