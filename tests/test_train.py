@@ -66,6 +66,43 @@ def test_aggregation_counts_kept_tokens_only():
     assert float(L.aggregate(per_token, seq, keep, "sequence", 2, 2)) == pytest.approx((1 + 10) / 2)
 
 
+def test_objective_assembles_every_term_by_hand():
+    """Two kept tokens of sequence 0 and one rejected token: PPO (clip-higher) x weight - entropy bonus
+    + k3 KL + distillation, each a mean over the 2 kept tokens; the rejected token counts nowhere."""
+    logp = torch.log(torch.tensor([0.6, 0.3, 0.9])).requires_grad_()
+    logits = torch.zeros(3, 2)  # uniform policy over 2 tokens: entropy log 2 everywhere
+    teacher = torch.log(torch.tensor([[0.5, 0.5], [0.9, 0.1], [0.5, 0.5]]))
+    x = L.LossInputs(
+        logp=logp,
+        old_logp=torch.log(torch.tensor([0.4, 0.3, 0.1])),
+        advantages=torch.tensor([1.0, -2.0, 5.0]),
+        weight=torch.tensor([1.0, 0.5, 1.0]),
+        keep=torch.tensor([True, True, False]),
+        seq=torch.tensor([0, 0, 1]),
+        norm=L.Normaliser(tokens=2, seqs=1, mode="token"),
+        logits=logits,
+        ref_logp=torch.log(torch.tensor([0.3, 0.3, 0.9])),
+        teacher_logp=teacher,
+    )
+    c = L.Coefficients(clip_low=0.2, clip_high=0.28, entropy_coef=0.1, kl_coef=0.5, distill_coef=2.0)
+    out = L.objective(x, c)
+    # token 0: ratio 1.5 clipped at 1.28 (A > 0): -1.28; token 1: ratio 1, -(-2) x weight 0.5 = 1
+    pg = (-1.28 + 1.0) / 2
+    kl = ((0.5 - 1 - math.log(0.5)) + 0.0) / 2  # r = 0.3 / 0.6, then r = 1
+    distill = (0.0 + (0.9 * math.log(0.9 / 0.5) + 0.1 * math.log(0.1 / 0.5))) / 2
+    assert float(out.metrics["loss/pg"]) == pytest.approx(pg)
+    assert float(out.metrics["entropy/mean"]) == pytest.approx(math.log(2))
+    assert float(out.metrics["loss/kl"]) == pytest.approx(kl)
+    assert float(out.metrics["loss/distill"]) == pytest.approx(distill, rel=1e-5)
+    assert float(out.metrics["clip/frac"]) == pytest.approx(0.5)
+    assert float(out.metrics["ratio/mean"]) == pytest.approx((1.5 + 1.0) / 2)
+    expected = pg - 0.1 * math.log(2) + 0.5 * kl + 2.0 * distill
+    assert float(out.total) == pytest.approx(expected, rel=1e-5)
+    out.total.backward()
+    assert float(logp.grad[2]) == 0.0  # the rejected token gets no gradient
+    assert float(logp.grad[0]) == pytest.approx(0.5 * (1 - 0.3 / 0.6) / 2)  # clipped PG: the KL alone
+
+
 # --- the corrections on hand-made log-probs --------------------------------------------------------
 
 

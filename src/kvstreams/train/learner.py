@@ -89,19 +89,6 @@ def micro_batches(items: Sequence[TrainItem], max_tokens: int) -> list[MicroBatc
     return out
 
 
-@dataclass
-class Normaliser:
-    """What the loss is divided by: the whole batch's kept tokens, or its sequences with a kept token,
-    so that micro-batches add up exactly to the full-batch loss."""
-
-    tokens: int
-    seqs: int
-    mode: str
-
-    def __call__(self, per_token: torch.Tensor, seq: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        return losses.aggregate(per_token, seq, keep, self.mode, self.tokens, self.seqs)
-
-
 class SingleProcess:
     """The learner's view of data parallelism when it runs alone: every micro-batch is its own and
     nothing needs combining. :class:`kvstreams.cluster.fsdp.FSDPGroup` is the same interface over
@@ -218,7 +205,7 @@ class Learner:
         sampler_logp = torch.cat([mb.sampler_logp() for mb in mbs])
         seq = torch.cat([mb.seq() for mb in mbs])
         weighting = self.loss.weigh(Behaviour(sampler_logp, start_logp, seq, len(items)))
-        norm = Normaliser(
+        norm = losses.Normaliser(
             tokens=int(weighting.keep.sum()),
             seqs=int(seq[weighting.keep].unique().numel()),
             mode=self.loss.aggregation,
@@ -287,46 +274,47 @@ class Learner:
         mb: MicroBatch,
         w: Weighting,
         ref: torch.Tensor | None,
-        norm: Normaliser,
+        norm: losses.Normaliser,
         sums: dict,
         first: bool,
     ) -> torch.Tensor:
         """Forward, loss and backward of one micro-batch; returns its log-probs (detached, CPU)."""
         device = next(self.model.parameters()).device
-        keep, seq = w.keep.to(device), mb.seq().to(device)
+        temperatures = self._temperatures(mb).to(device)[:, None]
         teacher = None
-        distill_coef = self.loss.distill_coef_or_zero()
-        if distill_coef > 0:  # SMD track B: the dense teacher with the current weights, no grad
+        coefs = losses.Coefficients.of(self.loss)
+        if coefs.distill_coef > 0:  # SMD track B: the dense teacher with the current weights, no grad
             with torch.no_grad():
                 rows, _ = self._rows(self.model, mb, "dense")
-                teacher = torch.log_softmax(rows.float() / self._temperatures(mb).to(device)[:, None], dim=-1)
+                teacher = torch.log_softmax(rows.float() / temperatures, dim=-1)
                 del rows
         rows, targets = self._rows(self.model, mb, REPLAY_MODE[self.loss.view])
         logp = self._logp(rows, targets, mb)
-        advantages = mb.per_token([i.advantage for i in mb.items]).to(device)
-        pg, ratio, clipped = losses.ppo_clip_loss(
-            logp, w.old_logp.to(device), advantages, self.loss.clip_low, self.loss.clip_high
+        keep = w.keep.to(device)
+        out = losses.objective(
+            losses.LossInputs(
+                logp=logp,
+                old_logp=w.old_logp.to(device),
+                advantages=mb.per_token([i.advantage for i in mb.items]).to(device),
+                weight=w.weight.to(device),
+                keep=keep,
+                seq=mb.seq().to(device),
+                norm=norm,
+                logits=rows / temperatures,
+                ref_logp=None if ref is None else ref.to(device),
+                teacher_logp=teacher,
+            ),
+            coefs,
         )
-        total = norm(pg * w.weight.to(device), seq, keep)
-        _add(sums, "loss/pg", total)
-        entropy = losses.entropy_from_logits(rows / self._temperatures(mb).to(device)[:, None])
-        _add(sums, "entropy/mean", norm(entropy, seq, keep))
-        if self.loss.entropy_coef > 0:
-            total = total - self.loss.entropy_coef * norm(entropy, seq, keep)
-        if ref is not None:
-            kl = norm(losses.kl_k3(logp, ref.to(device)), seq, keep)
-            _add(sums, "loss/kl", kl)
-            total = total + self.loss.kl_coef * kl
-        if teacher is not None:
-            student = rows / self._temperatures(mb).to(device)[:, None]
-            distill = norm(losses.distillation_kl(teacher, student), seq, keep)
-            _add(sums, "loss/distill", distill)
-            total = total + distill_coef * distill
-        total.backward()
-        _add(sums, "clip/frac", norm(clipped.float(), seq, keep))
+        out.total.backward()
+        for key, value in out.metrics.items():
+            if key == "ratio/mean":  # only the first update's ratio says anything (pi_old = pi there)
+                if first:
+                    _add(sums, "ratio/first_update_mean", value)
+            else:
+                _add(sums, key, value)
         if first:
-            _add(sums, "ratio/first_update_mean", norm(ratio, seq, keep))
-            dev = float((ratio - 1)[keep].abs().max()) if bool(keep.any()) else 0.0
+            dev = float((out.ratio - 1)[keep].abs().max()) if bool(keep.any()) else 0.0
             sums["ratio/first_update_max_abs_dev"] = max(sums.get("ratio/first_update_max_abs_dev", 0.0), dev)
         return logp.detach().cpu()
 

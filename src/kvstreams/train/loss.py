@@ -1,10 +1,15 @@
-"""Loss terms of the learner, as plain functions of tensors (each unit-tested against hand values).
+"""The learner's objective as one function, :func:`objective` (``LossInputs -> LossOutputs``, prime-rl's
+shape), and its terms as plain functions of tensors (each unit-tested against hand values).
 
-Shapes: per-token tensors are [N] over the sampled tokens of a micro-batch (flattened), with
+Shapes: per-token tensors are [N] over the trained tokens of a micro-batch (flattened), with
 ``seq`` [N] saying which sequence each token belongs to when sequence-level aggregation needs it.
+The learner keeps the forward and the backward; the correction (``train/corrections``) has decided
+pi_old, the weight and which tokens are kept before any of this runs.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
@@ -84,3 +89,82 @@ def aggregate(
         )
         return (sums[counts > 0] / counts[counts > 0]).sum() / max(n_seqs, 1)
     raise ValueError(f"unknown aggregation {mode!r}")
+
+
+@dataclass
+class Normaliser:
+    """What the loss is divided by: the whole batch's kept tokens, or its sequences with a kept token,
+    so that micro-batches add up exactly to the full-batch loss."""
+
+    tokens: int
+    seqs: int
+    mode: str
+
+    def __call__(self, per_token: torch.Tensor, seq: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        return aggregate(per_token, seq, keep, self.mode, self.tokens, self.seqs)
+
+
+@dataclass(frozen=True)
+class Coefficients:
+    """The ``[loss]`` numbers the objective reads (from any correction's config: :meth:`of`)."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0
+    distill_coef: float = 0.0  # SMD's track B; only the shadow correction sets it
+
+    @classmethod
+    def of(cls, loss) -> Coefficients:
+        return cls(
+            loss.clip_low, loss.clip_high, loss.entropy_coef, loss.kl_coef, loss.distill_coef_or_zero()
+        )
+
+
+@dataclass
+class LossInputs:
+    """One micro-batch's trained tokens, [N] each unless said."""
+
+    logp: torch.Tensor  # log pi(token) under the current weights, with grad
+    old_logp: torch.Tensor  # the correction's pi_old
+    advantages: torch.Tensor
+    weight: torch.Tensor  # the correction's per-token weight (detached)
+    keep: torch.Tensor  # bool: False leaves the loss, its normaliser, KL and entropy
+    seq: torch.Tensor  # the sequence each token belongs to
+    norm: Normaliser
+    logits: torch.Tensor  # [N, V] the current policy's logits, divided by the sampling temperature
+    ref_logp: torch.Tensor | None = None  # the frozen reference's log-probs (KL term)
+    teacher_logp: torch.Tensor | None = None  # [N, V] SMD's dense teacher, log-softmaxed, no grad
+
+
+@dataclass
+class LossOutputs:
+    total: torch.Tensor  # the scalar to backpropagate
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # normalised terms, detached
+    ratio: torch.Tensor | None = None  # [N] pi / pi_old, detached
+
+
+def objective(x: LossInputs, c: Coefficients) -> LossOutputs:
+    """PPO-clipped policy gradient x the correction's weight, minus the entropy bonus, plus the k3 KL to
+    the reference and SMD's distillation KL(teacher || policy), each normalised by ``x.norm`` over
+    the kept tokens. No PPO ratio is skipped when on policy: with pi_old = the sampler, the ratio is
+    1 up to float error and the clip never fires."""
+    pg, ratio, clipped = ppo_clip_loss(x.logp, x.old_logp, x.advantages, c.clip_low, c.clip_high)
+    total = x.norm(pg * x.weight, x.seq, x.keep)
+    out = LossOutputs(total, {"loss/pg": total.detach()}, ratio)
+    entropy = x.norm(entropy_from_logits(x.logits), x.seq, x.keep)
+    out.metrics["entropy/mean"] = entropy.detach()
+    if c.entropy_coef > 0:
+        total = total - c.entropy_coef * entropy
+    if x.ref_logp is not None:
+        kl = x.norm(kl_k3(x.logp, x.ref_logp), x.seq, x.keep)
+        out.metrics["loss/kl"] = kl.detach()
+        total = total + c.kl_coef * kl
+    if x.teacher_logp is not None:
+        distill = x.norm(distillation_kl(x.teacher_logp, x.logits), x.seq, x.keep)
+        out.metrics["loss/distill"] = distill.detach()
+        total = total + c.distill_coef * distill
+    out.metrics["clip/frac"] = x.norm(clipped.float(), x.seq, x.keep).detach()
+    out.metrics["ratio/mean"] = x.norm(ratio, x.seq, x.keep).detach()
+    out.total = total
+    return out
