@@ -106,7 +106,8 @@ class Normaliser:
 
 @dataclass(frozen=True)
 class Coefficients:
-    """The ``[loss]`` numbers the objective reads (from any correction's config: :meth:`of`)."""
+    """The ``[loss]`` numbers the objective reads (from any correction's config: :meth:`of`; only the
+    shadow correction has a ``distill_coef``)."""
 
     clip_low: float = 0.2
     clip_high: float = 0.28
@@ -117,7 +118,7 @@ class Coefficients:
     @classmethod
     def of(cls, loss) -> Coefficients:
         return cls(
-            loss.clip_low, loss.clip_high, loss.entropy_coef, loss.kl_coef, loss.distill_coef_or_zero()
+            loss.clip_low, loss.clip_high, loss.entropy_coef, loss.kl_coef, getattr(loss, "distill_coef", 0.0)
         )
 
 

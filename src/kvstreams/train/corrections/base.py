@@ -74,10 +74,6 @@ class LossBase(BaseModel):
     def weigh(self, b: Behaviour) -> Weighting:
         raise NotImplementedError
 
-    def distill_coef_or_zero(self) -> float:
-        """lambda of the SMD dense-to-shadow distillation track (only the shadow correction has one)."""
-        return 0.0
-
 
 CORRECTIONS: dict[str, type[LossBase]] = {}
 

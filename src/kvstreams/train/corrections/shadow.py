@@ -33,6 +33,3 @@ class ShadowLoss(LossBase):
 
     def weigh(self, b: Behaviour) -> Weighting:
         return Weighting(old_logp=b.sampler_logp, weight=unit_weight(b), keep=all_kept(b))
-
-    def distill_coef_or_zero(self) -> float:
-        return self.distill_coef
