@@ -401,18 +401,11 @@ def _console(width: int = 132):
 
 @contextmanager
 def _progress(description: str, total: int | None):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    """A transient bar; yields the function that advances it."""
+    from kvstreams.progress import progress
 
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        transient=True,
-        disable=not sys.stderr.isatty(),
-    ) as progress:
-        task = progress.add_task(description, total=total)
-        yield lambda n=1: progress.advance(task, n)
+    with progress(description, total) as bar:
+        yield bar.advance
 
 
 def _sampling_params(args):

@@ -269,26 +269,18 @@ def progress_bar(total: int) -> Iterator[Callable[[str], None]]:
     """
     import sys
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from kvstreams.progress import progress
 
     interactive = sys.stderr.isatty()
     started = time.perf_counter()
     count = [0]
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        transient=True,
-        disable=not interactive,
-    ) as bar:
-        task = bar.add_task("starting", total=total)
+    with progress("starting", total) as bar:
 
         def step(description: str) -> None:
             if count[0]:
-                bar.advance(task)
+                bar.advance()
             count[0] += 1
-            bar.update(task, description=description)
+            bar.update(description=description)
             if not interactive:
                 elapsed = time.perf_counter() - started
                 print(
@@ -298,4 +290,4 @@ def progress_bar(total: int) -> Iterator[Callable[[str], None]]:
                 )
 
         yield step
-        bar.advance(task)
+        bar.advance()

@@ -20,7 +20,7 @@ import queue
 import sys
 import threading
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -461,36 +461,18 @@ def _mean(rows: list[dict[str, Any]], key: str) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-class _progress:
-    """A rich progress bar with the live figures."""
+@contextmanager
+def _progress(total: int, start: int):
+    """The training bar, with the live figures; yields ``update(step, metrics)``."""
+    from kvstreams.progress import progress
 
-    def __init__(self, total: int, start: int) -> None:
-        self.total, self.start = total, start
-
-    def __enter__(self):
-        import sys
-
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        self.bar = Progress(
-            TextColumn("train"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            TextColumn("{task.fields[info]}"),
-            disable=not sys.stderr.isatty(),
-        )
-        self.bar.__enter__()
-        self.task = self.bar.add_task("train", total=self.total, completed=self.start, info="")
+    with progress("train", total, start, transient=False, info=True) as bar:
 
         def update(step: int, m: dict[str, float]) -> None:
             info = (
                 f"reward {m.get('reward/mean', 0):.3f}  mismatch k3 {m.get('mismatch/k3_kl', 0):.1e}  "
                 f"{m.get('tokens/s', 0):.0f} tok/s"
             )
-            self.bar.update(self.task, completed=step, info=info)
+            bar.update(completed=step, info=info)
 
-        return update
-
-    def __exit__(self, *exc) -> None:
-        self.bar.__exit__(*exc)
+        yield update
