@@ -81,7 +81,9 @@ class KVStreamsRollout:
     top-p/k, group size): ``env``, ``env_args``, ``policy`` and ``policy_args`` (KV compression while
     sampling), ``strategy`` (+ ``strategy_args``, ``strategy_preset``) and ``mode`` (``stream`` or
     ``full``; ``reprefill`` splits an episode into segments, which a TRL sample cannot hold),
-    ``recall``, ``max_reply_tokens``, ``block_size``.
+    ``recall``, ``max_reply_tokens``, ``block_size``. ``GRPOConfig.max_completion_length`` bounds a
+    single-turn reply; a multi-turn episode is bounded by its environment's turns and
+    ``max_reply_tokens`` per reply, so its completion (replies and observations) can be longer.
 
     >>> rollout = KVStreamsRollout(env="recall", policy="snapkv", policy_args={"budget": 0.5})
     >>> trainer = KVStreamsGRPOTrainer(model, reward_funcs=rollout.reward, rollout_func=rollout,
