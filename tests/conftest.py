@@ -20,7 +20,7 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def two_steps(model_dirs, tmp_path_factory):
     """A finished 2-step training run with both checkpoints kept (the reliability tests copy it)."""
-    from kvstreams.train.loop import train
+    from kvstreams.loop import train
     from test_train import small_config
 
     root = tmp_path_factory.mktemp("two_steps")

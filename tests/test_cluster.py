@@ -246,7 +246,7 @@ def test_two_fsdp2_ranks_take_the_single_process_step(ray_local, model_dirs):
 
 
 def _train(raw: dict, resume: bool = False) -> list[dict]:
-    from kvstreams.train.loop import train
+    from kvstreams.loop import train
 
     train(validate_config(raw), resume=resume, show_progress=False)
     with open(f"{raw['train']['out_dir']}/metrics.jsonl") as f:

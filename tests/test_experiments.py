@@ -178,7 +178,7 @@ def test_smd_table_quick_runs_resumes_and_reports(tmp_path, monkeypatch, capsys)
     assert (out / "reward_main.png").stat().st_size > 0
     assert "naive (GRPO w/ SnapKV)" in (out / "results.md").read_text()
     # a rerun reuses every finished run and the warm start: nothing is trained again
-    import kvstreams.train.loop as loop
+    import kvstreams.loop as loop
     import kvstreams.train.sft as sft
 
     monkeypatch.setattr(loop, "train", lambda *a, **k: pytest.fail("a finished run was redone"))
@@ -207,7 +207,7 @@ def test_smd_long_quick_evaluates_dense_and_measures_the_weights(tmp_path):
 def test_restore_lays_stored_runs_in_and_runs_only_the_missing_ones(tmp_path, monkeypatch):
     import gzip
 
-    import kvstreams.train.loop as loop
+    import kvstreams.loop as loop
 
     first = tmp_path / "first"
     assert main(["experiment", "smd-table", "--quick", "--out", str(first)]) == 0

@@ -91,7 +91,7 @@ def test_a_lock_file_nobody_holds_is_taken_over_whatever_it_says(content, tmp_pa
 
 def test_an_error_while_releasing_does_not_replace_the_runs_error(model_dirs, tmp_path, monkeypatch, capsys):
     import kvstreams.atomic as atomic
-    import kvstreams.train.loop as loop
+    import kvstreams.loop as loop
     from test_train import small_config
 
     def fail(*args, **kwargs):

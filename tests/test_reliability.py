@@ -15,8 +15,8 @@ import pytest
 
 from kvstreams.atomic import sha256
 from kvstreams.errors import KVStreamsError
+from kvstreams.loop import train
 from kvstreams.train.checkpoint import checkpoint_problem
-from kvstreams.train.loop import train
 from kvstreams.train.metrics import MetricsLog
 from test_train import small_config
 
@@ -342,7 +342,7 @@ def test_broken_model_directories_are_one_line(case, model_dirs, tmp_path):
 
 
 def test_more_steps_are_a_change_only_when_they_stretch_the_schedule():
-    from kvstreams.train.loop import config_changes
+    from kvstreams.loop import config_changes
 
     old = {"train": {"steps": 2, "eval_every": 1}, "optim": {"schedule": "constant", "lr": 1e-3}}
     assert config_changes(old, {**old, "train": {"steps": 9, "eval_every": 3}}) == {}

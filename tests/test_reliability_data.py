@@ -12,9 +12,9 @@ from safetensors.torch import load_file, save_file
 
 from kvstreams.atomic import sha256
 from kvstreams.errors import KVStreamsError
+from kvstreams.loop import train
 from kvstreams.train.checkpoint import CHECKSUMS, checkpoint_problem
 from kvstreams.train.config import load_config
-from kvstreams.train.loop import train
 from test_reliability import _copy, _flip_byte, _rows
 from test_train import small_config
 

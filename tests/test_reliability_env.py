@@ -11,7 +11,7 @@ import pytest
 from kvstreams.envs.memory import MemoryEnv
 from kvstreams.envs.recall import RecallEnv
 from kvstreams.errors import KVStreamsError
-from kvstreams.train.loop import train
+from kvstreams.loop import train
 from test_train import small_config
 
 BAD_STEPS = {

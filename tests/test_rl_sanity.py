@@ -17,11 +17,11 @@ import torch
 from kvstreams.envs import make_env
 from kvstreams.experiments import load_spec
 from kvstreams.experiments.report import check_runs
+from kvstreams.loop import train
 from kvstreams.tiny import make_tiny_model
 from kvstreams.train import loss as losses
 from kvstreams.train import prepare
 from kvstreams.train.evaluation import pass_at_k, summarise
-from kvstreams.train.loop import train
 
 
 def _bandit(tmp_path, arm: str = "shadow") -> tuple[float, float]:

@@ -296,7 +296,7 @@ def test_smd_teacher_is_recomputed_in_every_update_epoch(
 
 
 def test_train_end_to_end_and_resume_matches(model_dirs, tmp_path):
-    from kvstreams.train.loop import train
+    from kvstreams.loop import train
 
     cfg = small_config(model_dirs["qwen3"], tmp_path / "a")
     summary = train(cfg, show_progress=False)
@@ -362,7 +362,7 @@ def test_train_end_to_end_and_resume_matches(model_dirs, tmp_path):
 
 
 def test_async_training_versions_within_the_bounds(model_dirs, tmp_path):
-    from kvstreams.train.loop import train
+    from kvstreams.loop import train
 
     cfg = small_config(
         model_dirs["qwen3"],
@@ -399,7 +399,7 @@ class PublishMidEpisode:
 
 
 def test_async_token_sampled_after_a_mid_episode_update_carries_the_new_version(qwen, model_dirs, tmp_path):
-    from kvstreams.train.loop import AsyncRollouts
+    from kvstreams.loop import AsyncRollouts
     from kvstreams.train.rollouts import RolloutSource
 
     model, tok = qwen
@@ -646,8 +646,8 @@ def learner_step_then_restore_and_compare(model, cfg, batch, before) -> dict[str
 def test_non_finite_weights_are_never_checkpointed(model_dirs, tmp_path, monkeypatch):
     """An update that leaves a non-finite weight (here injected after AdamW's step) stops the run with
     one clear line before anything is checkpointed."""
+    from kvstreams.loop import train
     from kvstreams.train.checkpoint import latest_checkpoint
-    from kvstreams.train.loop import train
 
     real_step = torch.optim.AdamW.step
 
@@ -667,7 +667,7 @@ def test_a_huge_learning_rate_never_writes_nan_weights(model_dirs, tmp_path):
     """The report's case: lr = 1e6 with entropy_coef = 1 used to write NaN weights to step-*."""
     from safetensors.torch import load_file
 
-    from kvstreams.train.loop import train
+    from kvstreams.loop import train
 
     overrides = {"optim.lr": "1e6", "loss.entropy_coef": "1.0", "train.steps": "3", "train.eval_every": "0"}
     cfg = small_config(model_dirs["qwen3"], tmp_path, **overrides)
@@ -680,8 +680,8 @@ def test_a_huge_learning_rate_never_writes_nan_weights(model_dirs, tmp_path):
 
 
 def test_consecutive_non_finite_steps_stop_the_run(model_dirs, tmp_path, monkeypatch):
+    from kvstreams.loop import train
     from kvstreams.train.checkpoint import latest_checkpoint
-    from kvstreams.train.loop import train
 
     real = L.ppo_clip_loss
     calls = {"n": 0}
@@ -728,7 +728,7 @@ def test_episodes_whose_environment_raises_are_dropped_counted_and_stop_the_run_
     model_dirs, tmp_path, monkeypatch, capsys
 ):
     from kvstreams.envs.memory import MemoryEnv
-    from kvstreams.train.loop import train
+    from kvstreams.loop import train
 
     real_step, real_reset = MemoryEnv.step, MemoryEnv.reset
     resets = {"n": 0, "fail_every": 4}

@@ -828,8 +828,8 @@ def cmd_inspect(args) -> int:
 def cmd_train(args) -> int:
     from rich.table import Table
 
+    from kvstreams.loop import train
     from kvstreams.train.config import load_config
-    from kvstreams.train.loop import train
 
     if args.allow_config_change and not args.resume:
         raise KVStreamsError(

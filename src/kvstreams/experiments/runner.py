@@ -91,7 +91,7 @@ def _make_warm_start(spec: ExperimentSpec, ws, seed: int, out: Path, quick: bool
 def run_one(spec: ExperimentSpec, arm: Arm, seed: int, model: str, out: Path, quick: bool) -> dict[str, Any]:
     """Train one arm at one seed, evaluate it on the spec's held-out evaluations, summarise (an
     ``evaluate`` experiment: evaluate the starting model in the arm's setting, nothing trained)."""
-    from kvstreams.train.loop import train
+    from kvstreams.loop import train
 
     if spec.kind == "evaluate":
         return evaluate_one(spec, arm, seed, model, out, quick)

@@ -1,5 +1,9 @@
 """``kvstreams train``: the RL loop (rollouts -> learner -> weights back to the engine).
 
+It sits above its parts: ``train/`` (rollouts, learner, corrections, evaluation, checkpoints) and
+``cluster/`` (their Ray and FSDP2 scale-out, which imports ``train/``) are both below it, so neither
+folder imports the other both ways.
+
 Versions: the starting weights are version 0 and learner step s publishes version s + 1, so the
 rollouts trained at step s were sampled by version s when nothing runs ahead. Synchronous mode
 collects a batch with the current weights (version s), then trains on it: every token's staleness
