@@ -273,15 +273,21 @@ def test_weights_version_is_recorded_and_follows_mid_generation_updates(qwen):
     assert trace.weights_version[trace.sampled_mask].tolist() == [3, 3, 4, 4, 4]
 
 
-def test_prefill_holds_one_layer_of_prompt_kv_at_a_time(tmp_path):
+def test_prefill_holds_one_layer_of_prompt_kv_at_a_time(tmp_path, monkeypatch):
     """The prompt's full K/V exist only inside the layer computing them: the forward must not build
     transformers' DynamicCache (every layer's K/V until the forward returns). Measured as the
     process's peak memory during a 2,048-token prefill with a 64-entry budget: 8 layers need no
-    more than 2 layers plus two layers' prompt K/V (with the cache they needed 6 layers' more)."""
+    more than 2 layers plus four layers' prompt K/V (with the cache they needed 6 layers' more)."""
+    import transformers.cache_utils
+
     from kvstreams.bench.report import measure_peak
     from kvstreams.models import load_model
     from kvstreams.tiny import make_tiny_model
 
+    def no_cache(*args, **kwargs):
+        raise AssertionError("the engine's forward built a DynamicCache")
+
+    monkeypatch.setattr(transformers.cache_utils.DynamicCache, "__init__", no_cache)
     prompt = random_prompts(1, 2048)
     peaks = {}
     for layers in (2, 8):
@@ -305,6 +311,7 @@ def test_prefill_holds_one_layer_of_prompt_kv_at_a_time(tmp_path):
     print(
         f"8 layers - 2 layers: {(peaks[8] - peaks[2]) / 2**20:.1f} MB; one layer of prompt K/V: {layer_kv / 2**20:.0f} MB"
     )
-    # with transformers' DynamicCache the difference was 6 layers' prompt K/V (24 MB); without it, 1-4 MB
-    # of transient per-layer work, so the bound is two layers' worth (a single layer's was flaky)
-    assert peaks[8] - peaks[2] < 2 * layer_kv
+    # with transformers' DynamicCache the difference was 6 layers' prompt K/V (24 MB) on top of the rest;
+    # without it, 1-12 MB of transient per-layer work and allocator noise (12 MB inside the full suite,
+    # after the benchmarks pinned the allocator), so the bound is four layers' worth
+    assert peaks[8] - peaks[2] < 4 * layer_kv
