@@ -90,6 +90,21 @@ def first_nonfinite(model: torch.nn.Module) -> str | None:
     return next((n for n, p in model.named_parameters() if not torch.isfinite(p).all()), None)
 
 
+def quiet_transformers() -> None:
+    """No transformers warnings or download bars on the commands' output."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def check_positions(model, longest: int, what: str) -> None:
+    """Refuse, before sampling, sequences longer than the model's positions (RoPE tables end there)."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and longest > limit:
+        raise KVStreamsError(f"{what} = {longest} exceeds the model's max_position_embeddings ({limit})")
+
+
 def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu"):
     """Load a local causal LM and its tokenizer, with kvstreams' attention function installed.
 

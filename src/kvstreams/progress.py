@@ -1,4 +1,5 @@
-"""The one progress bar of the command line, training and the benchmarks (rich).
+"""The one progress bar of the command line, training and the benchmarks (rich), and the console the
+commands print their tables to.
 
 On a terminal it draws a bar; elsewhere (CI logs, pipes) it draws nothing, and the benchmarks print
 one line per run instead (:func:`kvstreams.bench.report.progress_bar`).
@@ -41,3 +42,10 @@ def progress(
         columns.append(TextColumn("{task.fields[info]}"))
     with Progress(*columns, transient=transient, disable=not sys.stderr.isatty()) as bar:
         yield Bar(bar, bar.add_task(description, total=total, completed=start, info=""))
+
+
+def console(width: int = 132):
+    """A console at least ``width`` columns wide: tables stay readable when piped or captured."""
+    from rich.console import Console
+
+    return Console(width=max(Console().width, width))

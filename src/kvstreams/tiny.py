@@ -72,6 +72,37 @@ Arch = Literal["llama", "qwen2", "qwen3", "mistral"]
 ARCHS = ("qwen3", "llama", "qwen2", "mistral")
 
 
+def _check_shape(arch: str, layers: int, hidden: int, heads: int, kv_heads: int | None) -> int:
+    """Refuse a shape the config classes would not build; the number of KV heads (its default: heads
+    for llama, heads / 2 otherwise)."""
+    if arch not in ARCHS:
+        raise KVStreamsError(f"unknown --arch {arch!r}; choose one of {', '.join(ARCHS)}")
+    if kv_heads is None:
+        kv_heads = heads if arch == "llama" else max(1, heads // 2)
+    for name, value in (("layers", layers), ("hidden", hidden), ("heads", heads), ("kv-heads", kv_heads)):
+        if value < 1:
+            raise KVStreamsError(f"--{name} must be positive, got {value}")
+    if hidden % heads:
+        raise KVStreamsError(f"--hidden ({hidden}) must be divisible by --heads ({heads})")
+    if heads % kv_heads:
+        raise KVStreamsError(f"--heads ({heads}) must be divisible by --kv-heads ({kv_heads})")
+    return kv_heads
+
+
+def write_tiny_model(out_dir: str | Path, force: bool = False, **shape) -> Path:
+    """``kvstreams tiny-model``: :func:`make_tiny_model` into ``out_dir``, refusing to overwrite a model
+    there unless ``force``."""
+    from kvstreams.atomic import ensure_writable
+
+    if (Path(out_dir) / "config.json").exists() and not force:
+        raise KVStreamsError(f"--out {str(out_dir)!r} already holds a model; pass --force to overwrite it")
+    from kvstreams.models import quiet_transformers
+
+    ensure_writable(Path(out_dir), "--out")
+    quiet_transformers()
+    return make_tiny_model(out_dir, **shape)
+
+
 def make_tiny_model(
     out_dir: str | Path,
     arch: Arch = "qwen3",
@@ -92,18 +123,7 @@ def make_tiny_model(
     """
     from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    if arch not in ARCHS:
-        raise KVStreamsError(f"unknown --arch {arch!r}; choose one of {', '.join(ARCHS)}")
-    if kv_heads is None:
-        kv_heads = heads if arch == "llama" else max(1, heads // 2)
-    for name, value in (("layers", layers), ("hidden", hidden), ("heads", heads), ("kv-heads", kv_heads)):
-        if value < 1:
-            raise KVStreamsError(f"--{name} must be positive, got {value}")
-    if hidden % heads:
-        raise KVStreamsError(f"--hidden ({hidden}) must be divisible by --heads ({heads})")
-    if heads % kv_heads:
-        raise KVStreamsError(f"--heads ({heads}) must be divisible by --kv-heads ({kv_heads})")
-
+    kv_heads = _check_shape(arch, layers, hidden, heads, kv_heads)
     tokenizer = train_tokenizer(vocab, seed=seed)
     common = dict(
         vocab_size=len(tokenizer),

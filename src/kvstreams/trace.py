@@ -386,3 +386,36 @@ def compact_record(
             death = death[first]
             recalls = None if recalls is None else recalls[first]
     return death.contiguous(), None if recalls is None else recalls.contiguous()
+
+
+def print_traces(paths: list[str]) -> None:
+    """``kvstreams inspect``: load (and so validate) each trace file and print one row per file."""
+    from rich.table import Table
+
+    from kvstreams.progress import console
+
+    table = Table(title="traces")
+    for col in (
+        "file",
+        "tokens",
+        "sampled",
+        "death shape",
+        "evicted entries",
+        "policy",
+        "mode",
+        "temperature",
+    ):
+        table.add_column(col, no_wrap=True)
+    for path in paths:
+        t = Trace.load(path)
+        table.add_row(
+            Path(path).name,
+            str(len(t)),
+            str(int(t.sampled_mask.sum())),
+            str(tuple(t.death.shape)),
+            str(t.n_evicted),
+            t.metadata["policy"],
+            t.metadata["mode"],
+            t.metadata["temperature"],
+        )
+    console().print(table)

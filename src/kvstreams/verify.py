@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,6 +34,9 @@ from kvstreams.replay import replay_logprobs
 from kvstreams.sampler import SamplerSpec, sample_episodes
 from kvstreams.trace import Trace
 from kvstreams.train.mismatch import mismatch_metrics
+
+if TYPE_CHECKING:
+    from kvstreams.rollout import RolloutOptions
 
 # Sampler and learner run the same math in different shapes (one-token decode vs whole-trace forward);
 # in float32 that is rounding noise, in half precision the per-token rounding differs visibly.
@@ -380,3 +384,146 @@ def table_row(r: Report, floor: Floor | None) -> list[str]:
             f"{r.exact_gap:.1e}" if r.exact_gap is not None else "-",
         ]
     return row
+
+
+# ----------------------------------------------------------------------------------------------------
+# ``kvstreams verify``: build what is checked, check each, optionally measure the floor, print
+
+
+def verify_command(
+    opts: RolloutOptions,
+    policies: list[str] | None,
+    strategies: list[str] | None,
+    backend: str = "sdpa",
+    floor: bool = False,
+    json_path: str | None = None,
+) -> bool:
+    """Build the subjects before loading the model (bad names fail fast), check each, measure the floor
+    with ``floor``, print the table and write ``json_path``; whether every check passed."""
+    from kvstreams.atomic import write_json
+    from kvstreams.models import check_positions
+    from kvstreams.rollout import check_json
+
+    check_json(json_path)
+    episodes = verifies_strategies(opts, strategies)
+    subjects = verify_subjects(opts, policies, strategies, episodes)
+    model, tokenizer = opts.load()
+    params = opts.params()
+    prompts = None
+    if episodes:
+        check_positions(model, opts.max_new_tokens, "--max-new-tokens")
+        checks = _check_strategies(opts, model, tokenizer, subjects, params, backend)
+    else:
+        _, _, prompts = opts.prompts(tokenizer)
+        longest = max(map(len, prompts)) + opts.max_new_tokens
+        check_positions(model, longest, "the longest prompt + --max-new-tokens")
+        checks = _check_policies(opts, model, tokenizer, subjects, prompts, params, backend)
+    measured = _verify_floor(opts, model, tokenizer, params, prompts, checks, backend) if floor else None
+    reports = [check.report for check in checks]
+    print_verify(opts, backend, reports, measured, episodes)
+    if json_path:
+        write_json(json_path, json_payload(str(opts.model), opts.dtype, backend, opts.env, measured, reports))
+    return all(passes(r, measured) for r in reports)
+
+
+def verifies_strategies(opts: RolloutOptions, strategies: list[str] | None) -> bool:
+    """Episodes (compaction strategies, each with every policy compressing inside it, if any) with
+    strategies or a multi-turn environment; single-turn eviction policies otherwise."""
+    from kvstreams.envs import is_single_turn
+
+    return bool(strategies) or (opts.env is not None and not is_single_turn(opts.env))
+
+
+def verify_subjects(
+    opts: RolloutOptions, policies: list[str] | None, strategies: list[str] | None, episodes: bool
+) -> list:
+    """The strategies (x policies) or policies to check (default: every registered one but ``full``)."""
+    from kvstreams.compaction import STRATEGIES
+    from kvstreams.policies import POLICIES
+
+    if episodes:
+        subjects = [opts.strategy(name) for name in (strategies or sorted(STRATEGIES))]
+        opts.envs(1)  # fail on a bad environment before loading the model
+        inside = [opts.stream_policy(name) for name in policies or []]
+        if inside:  # every strategy x policy pair: compaction with compression inside it
+            return [(s, p) for s in subjects for p in inside]
+        return [(s, None) for s in subjects]
+    return [opts.policy(name) for name in (policies or sorted(n for n in POLICIES if n != "full"))]
+
+
+def _check_policies(opts, model, tokenizer, policies, prompts, params, backend: str) -> list:
+    from kvstreams.progress import progress
+
+    checks = []
+    for policy in policies:
+        with progress(f"verify {policy.name}", opts.max_new_tokens) as bar:
+            checks.append(
+                check_policy(model, tokenizer, policy, prompts, params, backend=backend, progress=bar.advance)
+            )
+    return checks
+
+
+def _check_strategies(opts, model, tokenizer, strategies, params, backend: str) -> list:
+    from kvstreams.progress import progress
+
+    options, seeds = opts.runner_options(), opts.seeds()
+    checks = []
+    for strategy, policy in strategies:
+        name = "+".join(x.name for x in (strategy, policy, options["recall"]) if x is not None)
+        with progress(f"verify {name}", None) as bar:
+            checks.append(
+                check_strategy(
+                    model,
+                    tokenizer,
+                    strategy,
+                    lambda: opts.envs(opts.episodes),
+                    seeds,
+                    params,
+                    backend,
+                    bar.advance,
+                    policy=policy,
+                    **options,
+                )
+            )
+    return checks
+
+
+def _verify_floor(opts, model, tokenizer, params, prompts, checks, backend: str) -> Floor:
+    """The float32 floor: the same check with nothing evicted (the policies' prompts, or episodes in
+    full mode), each report's own rounding, and the whole check again in float64."""
+    from kvstreams.progress import progress
+
+    with progress("verify floor", None):
+        envs = None if prompts is not None else opts.envs(opts.episodes)
+        options = {**opts.runner_options(), "recall": None}  # nothing is deleted: nothing to recall
+        full = unevicted_traces(model, tokenizer, params, prompts, envs, opts.seeds(), **options)
+        return floor_and_rounding(model, checks, full, backend)
+
+
+def print_verify(opts: RolloutOptions, backend: str, reports, floor: Floor | None, episodes: bool) -> None:
+    from rich.table import Table
+
+    from kvstreams.progress import console
+
+    what = f"strategies on {opts.env or 'memory'} (stream mode)" if episodes else "policies"
+    table = Table(title=f"sampler vs learner log-probs, {what}: {opts.model} ({opts.dtype}, {backend})")
+    for col in [*table_columns(opts.dtype, floor is not None, episodes), "ok"]:
+        table.add_column(col, justify="left" if col == "name" else "right", no_wrap=True)
+    for r in reports:
+        table.add_row(*table_row(r, floor), "[green]yes[/]" if passes(r, floor) else "[red]NO[/]")
+    out = console(200 if floor else 160)
+    out.print(table)
+    out.print(
+        "shadow = learner replaying the recorded per-layer, per-head visibility; dense = plain causal learner "
+        f"(the naive baseline). Pass: shadow max|Δ| <= {reports[0].tolerance:g}"
+        + (" and <= 2x the floor, and fp64 gap <= 1e-5." if floor else ".")
+    )
+    if floor:
+        short = SHORT_DTYPE.get(opts.dtype, opts.dtype)
+        out.print(
+            f"floor: nothing evicted, sampler vs learner max|Δ| {floor.full.max_abs_diff:.1e} (mean "
+            f"{floor.full.mean_abs_diff:.1e}); HF's own forward vs kvstreams' replay max|Δ| "
+            f"{floor.hf_vs_replay:.1e}. learner / sampler {short}: their distance to the same replay in "
+            f"float64; / floor: shadow max|Δ| over the larger of the kernel floor and the learner's {short} "
+            "rounding; fp64 gap: sampler and learner both in float64 (exact but for the float32 record)."
+        )

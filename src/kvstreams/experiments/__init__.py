@@ -17,7 +17,51 @@ from kvstreams.experiments.report import check_runs, write_report
 from kvstreams.experiments.runner import finished_runs, run_experiment
 from kvstreams.experiments.spec import ExperimentSpec, available, load_spec
 
-__all__ = ["ExperimentSpec", "available", "failed_checks", "load_spec", "run"]
+__all__ = ["ExperimentSpec", "available", "failed_checks", "load_spec", "run", "run_command"]
+
+
+def run_command(
+    name: str,
+    quick: bool = False,
+    seeds: int | None = None,
+    out: str | None = None,
+    restore: str | None = None,
+    report_only: bool = False,
+    overrides: list[str] | tuple[str, ...] = (),
+    device: str | None = None,
+) -> int:
+    """``kvstreams experiment NAME``: run (or resume, or only report) it, print its report; exit status
+    1 when runs failed the experiment's check. ``name`` ``list`` lists the experiments."""
+    from kvstreams.experiments.runner import restore_runs
+    from kvstreams.models import quiet_transformers
+    from kvstreams.rollout import check_out
+    from kvstreams.train.config import parse_override
+
+    if name == "list":
+        for listed in available():
+            print(f"{listed:22s} {load_spec(listed).title}")
+        return 0
+    settings = dict(parse_override(item) for item in overrides)
+    if device:
+        settings["model.device"] = device
+    spec = load_spec(name, settings)
+    where = Path(out) if out else default_out(spec, quick)
+    check_out(where)
+    if restore:
+        n = restore_runs(Path(restore), where)
+        print(f"restored {n} finished runs from {restore} into {where}", file=sys.stderr)
+    quiet_transformers()
+    command = f"kvstreams experiment {name}" + " --quick" * quick + (f" --seeds {seeds}" if seeds else "")
+    command += "".join(f" --set {item}" for item in overrides) + (f" --device {device}" if device else "")
+    command += " --report-only" * report_only
+    payload = run(spec, where, quick=quick, seeds=seeds, command=command, report_only=report_only)
+    print((where / "results.md").read_text())
+    print(f"results: {where / 'results.json'}; plots: {', '.join(payload['plots'])}")
+    failed = failed_checks(payload)
+    if failed:
+        print(f"kvstreams experiment: {failed} runs failed the experiment's check", file=sys.stderr)
+        return 1
+    return 0
 
 
 def default_out(spec: ExperimentSpec, quick: bool) -> Path:

@@ -133,3 +133,41 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
                 raise KVStreamsError(f"{path}: line {number} is not JSON") from None
             print(f"kvstreams: {path}: dropped a cut-off last line", file=sys.stderr)
     return rows
+
+
+def print_summary(cfg: Any, summary: dict[str, Any]) -> None:
+    """The table ``kvstreams train`` ends with: held-out figures before and after RL, the replay's
+    agreement with the sampler, and the tokens the rollouts forwarded."""
+    from rich.table import Table
+
+    from kvstreams.progress import console
+
+    r = cfg.rollout
+    table = Table(
+        title=f"kvstreams train: {r.env}, {r.strategy or r.policy} ({r.mode}), correction {cfg.loss.type}"
+    )
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    before, after = summary.get("eval_before") or {}, summary.get("eval_after") or {}
+    episodes = int(before.get("eval/tasks", 0) * before.get("eval/samples_per_task", 0))
+    keys = [k for k in before if k.startswith("eval/") and not k.endswith("_ci") and "/tasks" not in k]
+    for key in [k for k in keys if "samples_per_task" not in k]:
+        for when, figures in (("before", before), ("after", after)):
+            if key in figures:
+                half = figures.get(f"{key}_ci")
+                table.add_row(f"{key} {when} RL", f"{figures[key]:.3f}" + (f" ± {half:.3f}" if half else ""))
+    if "eval/pass@1" in before and "eval/pass@1" in after:
+        gain = after["eval/pass@1"] - before["eval/pass@1"]
+        table.add_row(f"eval/pass@1 gain ({episodes} held-out episodes)", f"{gain:+.3f}")
+    if summary.get("mismatch_k3_kl_mean") is not None:
+        table.add_row("mismatch/k3_kl (mean over steps)", f"{summary['mismatch_k3_kl_mean']:.2e}")
+        table.add_row(
+            "mismatch/abs_logprob_diff_max (max over steps)",
+            f"{summary['mismatch_abs_logprob_diff_max']:.2e}",
+        )
+    table.add_row("tokens forwarded (rollouts)", f"{summary['tokens_forwarded']:,.0f}")
+    table.add_row(
+        "tokens/reprefill_equivalent (steady closed form)", f"{summary['tokens_reprefill_equivalent']:,.0f}"
+    )
+    console().print(table)
+    print(f"run directory: {cfg.train.out_dir} (metrics.jsonl, tensorboard/, *.png, checkpoints/)")
