@@ -342,7 +342,7 @@ def test_broken_model_directories_are_one_line(case, model_dirs, tmp_path):
 
 
 def test_more_steps_are_a_change_only_when_they_stretch_the_schedule():
-    from kvstreams.loop import config_changes
+    from kvstreams.train.checkpoint import config_changes
 
     old = {"train": {"steps": 2, "eval_every": 1}, "optim": {"schedule": "constant", "lr": 1e-3}}
     assert config_changes(old, {**old, "train": {"steps": 9, "eval_every": 3}}) == {}

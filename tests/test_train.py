@@ -399,7 +399,7 @@ class PublishMidEpisode:
 
 
 def test_async_token_sampled_after_a_mid_episode_update_carries_the_new_version(qwen, model_dirs, tmp_path):
-    from kvstreams.loop import AsyncRollouts
+    from kvstreams.train.async_rollouts import AsyncRollouts
     from kvstreams.train.rollouts import RolloutSource
 
     model, tok = qwen

@@ -105,17 +105,9 @@ def check_positions(model, longest: int, what: str) -> None:
         raise KVStreamsError(f"{what} = {longest} exceeds the model's max_position_embeddings ({limit})")
 
 
-def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu"):
-    """Load a local causal LM and its tokenizer, with kvstreams' attention function installed.
-
-    The model keeps behaving like the original one for ordinary calls (the attention function falls
-    back to SDPA); only calls that carry a kvstreams attention context take the engine or replay path.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from kvstreams.attention import install
-
-    path = Path(model_dir)
+def _check_directory(path: Path) -> None:
+    """Refuse, before transformers reads it, a directory that is not a supported causal LM with a
+    tokenizer: one line naming what is wrong."""
     config_file = path / "config.json"
     if not path.is_dir():
         raise KVStreamsError(f"model directory {str(path)!r} does not exist")
@@ -139,6 +131,20 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu
     _check_config(config, config_file)
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         raise KVStreamsError(f"{path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+
+
+def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu"):
+    """Load a local causal LM and its tokenizer, with kvstreams' attention function installed.
+
+    The model keeps behaving like the original one for ordinary calls (the attention function falls
+    back to SDPA); only calls that carry a kvstreams attention context take the engine or replay path.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvstreams.attention import install
+
+    path = Path(model_dir)
+    _check_directory(path)
     if str(device).startswith("cuda") and not torch.cuda.is_available():
         raise KVStreamsError(f"device {device!r} requested but no CUDA device is available")
     install()

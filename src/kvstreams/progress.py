@@ -49,3 +49,18 @@ def console(width: int = 132):
     from rich.console import Console
 
     return Console(width=max(Console().width, width))
+
+
+@contextmanager
+def training_bar(total: int, start: int):
+    """The training bar, with the live figures; yields ``update(step, metrics)``."""
+    with progress("train", total, start, transient=False, info=True) as bar:
+
+        def update(step: int, m: dict[str, float]) -> None:
+            info = (
+                f"reward {m.get('reward/mean', 0):.3f}  mismatch k3 {m.get('mismatch/k3_kl', 0):.1e}  "
+                f"{m.get('tokens/s', 0):.0f} tok/s"
+            )
+            bar.update(completed=step, info=info)
+
+        yield update

@@ -150,6 +150,12 @@ def play(
         model, tokenizer, spec, envs, [settings.seed + i for i in range(episodes)], sampling
     )
     budget = strategy.with_budget(envs[0].context_budget).budget_tokens if strategy is not None else None
+    return _play_row(point, mode, policy, block_size, budget, st)
+
+
+def _play_row(point: Point, mode: str, policy, block_size: int, budget: int | None, st) -> dict[str, Any]:
+    """The figures of one :func:`play` from its rollout cost ``st``."""
+    episodes = point.episodes
     retained = st.retained_mean / st.context_at_compaction_mean if st.compactions else None
     predicted = st.tokens_reprefilled_predicted if mode == "reprefill" else None
     steady = st.tokens_reprefilled_predicted_steady if mode == "reprefill" else None
@@ -191,6 +197,33 @@ RATIO_COLUMNS = (
 )  # fmt: skip
 
 
+def _same_episodes(p: Point) -> tuple:
+    """Points that play the same episodes share one full-context run."""
+    return (p.model, p.env, p.episodes, p.turns)
+
+
+def _n_runs(settings: RolloutBenchSettings, filler_points: list[Point]) -> int:
+    """How many :func:`play` runs the bench makes (for its progress bar)."""
+    n_full = len({_same_episodes(p) for p in settings.points}) if settings.full_context else 0
+    n_runs = 2 * len(settings.points) + len(filler_points) + n_full + 2 * len(settings.kv_turns)
+    return n_runs + len(settings.compose) * sum(p.model == "tiny" for p in settings.points)
+
+
+def _play_point(model, tok, point: Point, settings: RolloutBenchSettings, filler: bool, step):
+    """The point in stream and re-prefill mode (and with ``filler``, stream at the filler block size):
+    the rows by mode, and the blocked row or None."""
+    name = f"{point.model} {point.env} {point.label} B={point.budget or 'env'}"
+    rows = {}
+    for mode in ("stream", "reprefill"):
+        step(f"{name} {mode}")
+        rows[mode] = play(model, tok, point, mode, settings)
+    blocked = None
+    if filler:
+        step(f"{name} stream at block size {settings.filler_block}")
+        blocked = play(model, tok, point, "stream", settings, block_size=settings.filler_block)
+    return rows, blocked
+
+
 def bench_rollout(settings: RolloutBenchSettings, models_dir: str | Path, out_dir: str | Path) -> BenchReport:
     from kvstreams.models import load_model
 
@@ -219,34 +252,18 @@ def bench_rollout(settings: RolloutBenchSettings, models_dir: str | Path, out_di
     )
     models: dict[str, Any] = {}
     full_rows: dict[tuple, dict[str, Any]] = {}
-
-    def same_episodes(p: Point) -> tuple:
-        return (p.model, p.env, p.episodes, p.turns)
-
     # filler does not depend on the model
     filler_points = [p for p in settings.points if p.model == "tiny" and settings.full_context]
-    n_full = len({same_episodes(p) for p in settings.points}) if settings.full_context else 0
-    n_runs = 2 * len(settings.points) + len(filler_points) + n_full
-    n_runs += 2 * len(settings.kv_turns)
-    n_runs += len(settings.compose) * sum(p.model == "tiny" for p in settings.points)
-    with progress_bar(n_runs) as step:
+    with progress_bar(_n_runs(settings, filler_points)) as step:
         for point in settings.points:
             if point.model not in models:
                 model, tok = load_model(bench_model(point.model, models_dir))
                 models[point.model] = (model, tok)
                 report.settings.setdefault("parameters", {})[point.model] = parameter_count(model)
             model, tok = models[point.model]
-            name = f"{point.model} {point.env} {point.label} B={point.budget or 'env'}"
-            rows = {}
-            for mode in ("stream", "reprefill"):
-                step(f"{name} {mode}")
-                rows[mode] = play(model, tok, point, mode, settings)
-                runs.rows.append(rows[mode])
-            blocked = None
-            if point in filler_points:
-                step(f"{name} stream at block size {settings.filler_block}")
-                blocked = play(model, tok, point, "stream", settings, block_size=settings.filler_block)
-            key = same_episodes(point)
+            rows, blocked = _play_point(model, tok, point, settings, point in filler_points, step)
+            runs.rows += [rows["stream"], rows["reprefill"]]
+            key = _same_episodes(point)
             if key not in full_rows and settings.full_context:
                 step(f"{point.model} {point.env} full context")
                 full_rows[key] = play(model, tok, point, "full", settings)
@@ -255,7 +272,7 @@ def bench_rollout(settings: RolloutBenchSettings, models_dir: str | Path, out_di
                 _ratio_row(point, rows["stream"], rows["reprefill"], full_rows.get(key), blocked)
             )
             for policy in settings.compose if point.model == "tiny" else []:
-                step(f"{name} stream + {policy[0]} {policy[1]}")
+                step(f"{point.model} {point.env} {point.label} stream + {policy[0]} {policy[1]}")
                 compose.rows.append(
                     _compose_row(rows["stream"], play(model, tok, point, "stream", settings, policy=policy))
                 )

@@ -323,6 +323,14 @@ class _Batched:
             self.events[seq] = int(events[row])
 
 
+def _drop_rows(rows: list[int], batch, cache: SlotCache, *per_row: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Remove ``rows`` from the batch and the cache (and from each of ``per_row``, returned)."""
+    keep = torch.tensor([r for r in range(len(batch.seq)) if r not in set(rows)], device=batch.seq.device)
+    cache.select_rows(keep)
+    batch.select(keep)
+    return tuple(t.index_select(0, keep) for t in per_row)
+
+
 class RolloutEngine:
     """Samples batches of sequences from an HF causal LM with a budget-bounded, in-place KV cache.
 
@@ -381,8 +389,7 @@ class RolloutEngine:
         """
         if not prompts or any(len(p) == 0 for p in prompts):
             raise KVStreamsError("every prompt needs at least one token")
-        device, G = self.device, params.max_new_tokens
-        prompt_lens = [len(p) for p in prompts]
+        device, G, prompt_lens = self.device, params.max_new_tokens, [len(p) for p in prompts]
         contexts = [p + G for p in prompt_lens]
         schedule = Schedule(self.policy, prompt_lens, contexts, device)
         cache = SlotCache(
@@ -398,13 +405,7 @@ class RolloutEngine:
         generator = torch.Generator(device=device).manual_seed(params.seed)
         stop_ids = self._stop_ids(params)
 
-        batch, evicting, window_from = schedule.start(prompt_lens)
-        ids, col_index = self._left_padded(prompts)
-        with PrefillStep(self, cache, col_index, batch, evicting, window_from, generator):
-            logits = self.model(
-                input_ids=ids, position_ids=col_index.clamp(min=0), logits_to_keep=1, use_cache=False
-            ).logits[:, -1]
-        batch.n_live = torch.where(evicting, batch.target, batch.n_live)
+        batch, logits, evicting = self._prefill(prompts, schedule, cache, generator)
         events = evicting.long().clone()  # eviction rounds per row so far
         record = _Batched(prompts, self.weights_version)
 
@@ -418,24 +419,12 @@ class RolloutEngine:
                 on_step(step_no + 1, self)
             if done:  # finished sequences leave the batch; their record is complete
                 record.finish(done, batch.seq, cache.death, events)
-                keep = torch.tensor([r for r in range(len(batch.seq)) if r not in set(done)], device=device)
-                if keep.numel() == 0:
+                if len(done) == len(batch.seq):
                     break
-                cache.select_rows(keep)
-                batch.select(keep)
-                new_tokens, events = new_tokens.index_select(0, keep), events.index_select(0, keep)
-            # decode the token just sampled: its K/V join the cache, maybe an eviction round follows
-            batch.query_index = batch.query_index + 1
-            after_write = batch.n_live + 1
-            evicting, in_window, new_window = schedule.decode(batch, step_no + 1, after_write)
-            with DecodeStep(self, cache, batch, evicting, in_window, new_window, generator):
-                logits = self.model(
-                    input_ids=new_tokens[:, None], position_ids=batch.query_index[:, None], use_cache=False
-                ).logits[:, -1]
-            batch.n_live = torch.where(evicting, batch.target, after_write)
+                new_tokens, events = _drop_rows(done, batch, cache, new_tokens, events)
+            logits, evicting = self._decode(new_tokens, step_no + 1, batch, schedule, cache, generator)
             events += evicting.long()
 
-        traces = [self._trace(record, i, params, schedule.budgets[i]) for i in range(len(prompts))]
         self.last_stats = GenerationStats(
             sequences=len(prompts),
             tokens_generated=sum(len(r) - p for r, p in zip(record.records, prompt_lens, strict=True)),
@@ -445,7 +434,32 @@ class RolloutEngine:
             kv_capacity=schedule.capacity,
             kv_bytes_allocated=kv_bytes_allocated,
         )
-        return traces
+        return [self._trace(record, i, params, schedule.budgets[i]) for i in range(len(prompts))]
+
+    def _prefill(self, prompts, schedule: Schedule, cache: SlotCache, generator):
+        """Forward the left-padded prompts (an eviction round where a prompt exceeds its budget); the
+        batch's state, the last position's logits and which rows evicted."""
+        batch, evicting, window_from = schedule.start([len(p) for p in prompts])
+        ids, col_index = self._left_padded(prompts)
+        with PrefillStep(self, cache, col_index, batch, evicting, window_from, generator):
+            logits = self.model(
+                input_ids=ids, position_ids=col_index.clamp(min=0), logits_to_keep=1, use_cache=False
+            ).logits[:, -1]
+        batch.n_live = torch.where(evicting, batch.target, batch.n_live)
+        return batch, logits, evicting
+
+    def _decode(self, new_tokens, step: int, batch, schedule: Schedule, cache: SlotCache, generator):
+        """Decode the tokens just sampled: their K/V join the cache, maybe an eviction round follows;
+        the next logits and which rows evicted."""
+        batch.query_index = batch.query_index + 1
+        after_write = batch.n_live + 1
+        evicting, in_window, new_window = schedule.decode(batch, step, after_write)
+        with DecodeStep(self, cache, batch, evicting, in_window, new_window, generator):
+            logits = self.model(
+                input_ids=new_tokens[:, None], position_ids=batch.query_index[:, None], use_cache=False
+            ).logits[:, -1]
+        batch.n_live = torch.where(evicting, batch.target, after_write)
+        return logits, evicting
 
     def _left_padded(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """The prompts as one left-padded batch: ids [n, P] and each column's trace index (-1: padding)."""

@@ -13,9 +13,10 @@ import json
 import random
 import re
 import shutil
+import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError
@@ -24,6 +25,9 @@ from safetensors.torch import load_file, load_model, save_file, save_model
 from kvstreams.atomic import sha256
 from kvstreams.errors import KVStreamsError
 from kvstreams.models import first_nonfinite
+
+if TYPE_CHECKING:
+    from kvstreams.train.config import Config
 
 PREFIX = "step-"
 CHECKSUMS = "checksums.json"
@@ -204,3 +208,94 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler) -> dict[str, 
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
         raise KVStreamsError(f"cannot resume from {path}: {type(err).__name__}: {first}") from None
     return state
+
+
+# --- resuming under a changed config ------------------------------------------------------------------
+# Settings a resumed run may change freely: they alter what is logged and kept, not what is optimised.
+FREE_TO_CHANGE = (
+    "train.steps",
+    "train.eval_every",
+    "train.eval_episodes",
+    "train.eval_samples",
+    "train.checkpoint_every",
+    "train.keep_last",
+    "train.max_nonfinite_steps",
+    "train.tensorboard",
+    "train.plots",
+    "train.out_dir",
+    "model.device",
+    "sft.",
+    "cluster.",  # where the work runs, not what is optimised: resume with another layout
+)
+
+
+def config_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, list[Any]]:
+    """Dotted keys whose value differs between two config dumps, except :data:`FREE_TO_CHANGE`
+    (``train.steps`` only under a constant schedule: it stretches a linear or cosine one)."""
+    a, b = _flatten(old), _flatten(new)
+    free = FREE_TO_CHANGE
+    if b.get("optim.schedule", "constant") != "constant":
+        free = tuple(k for k in FREE_TO_CHANGE if k != "train.steps")
+    return {
+        k: [a.get(k), b.get(k)]
+        for k in sorted(set(a) | set(b))
+        if a.get(k) != b.get(k) and not k.startswith(free)
+    }
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and key not in ("env_args", "strategy_args", "policy_args"):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def check_drift(old: dict[str, Any], cfg: Config, out: Path, start: int, allowed: bool) -> None:
+    """Refuse to resume under a config that changes the optimisation, unless allowed (then recorded)."""
+    changes = config_changes(old, cfg.model_dump())
+    if not changes:
+        return
+    listed = ", ".join(f"{k}: {v[0]!r} -> {v[1]!r}" for k, v in changes.items())
+    if not allowed:
+        raise KVStreamsError(
+            f"the config differs from the one {out} was trained with ({listed}); "
+            "pass --allow-config-change to resume under the new one (the change is recorded)"
+        )
+    with (out / "config_changes.jsonl").open("a") as f:
+        f.write(json.dumps({"step": start, "changes": changes}) + "\n")
+    print(f"kvstreams train: resuming at step {start} under a changed config ({listed})", file=sys.stderr)
+
+
+def prepare_run(out: Path, resume: bool) -> None:
+    """Before the model loads: remove checkpoints a killed run left unfinished (said on stderr), and
+    refuse to start afresh over a run already there."""
+    checkpoints = out / "checkpoints"
+    for orphan in remove_orphans(checkpoints):
+        print(
+            f"kvstreams train: removed {orphan.name}, a checkpoint a killed run left unfinished",
+            file=sys.stderr,
+        )
+    if not resume and latest_checkpoint(checkpoints) is not None:
+        raise KVStreamsError(
+            f"{out} already holds a run; pass --resume to continue it or choose another out_dir"
+        )
+
+
+def resume_run(out: Path, cfg: Config, model, optimizer, scheduler, allow_config_change: bool) -> int:
+    """Restore the newest good checkpoint of the run in ``out`` into the model and optimiser (checkpoints
+    passed over are said on stderr); refuse a finished run, or a changed optimisation unless allowed.
+    Returns the first step to run."""
+    path, state, skipped = resume_latest(out / "checkpoints", model, optimizer, scheduler)
+    for line in skipped:
+        print(f"kvstreams train: passed over checkpoint {line}; resuming from {path.name}", file=sys.stderr)
+    start = int(state["step"]) + 1
+    if start >= cfg.train.steps:
+        raise KVStreamsError(
+            f"{out} is finished ({start} of train.steps = {cfg.train.steps} steps done); "
+            "raise train.steps to continue it"
+        )
+    check_drift(state.get("config", {}), cfg, out, start, allow_config_change)
+    return start

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvstreams.errors import KVStreamsError
 from kvstreams.models import model_shape
 from kvstreams.replay import collate, predicting_rows, replay_logits
 from kvstreams.sampling import policy_logprobs
@@ -343,3 +344,20 @@ def _split(w: Weighting, sizes: list[int]) -> list[Weighting]:
         Weighting(o, wt, k)
         for o, wt, k in zip(w.old_logp.split(sizes), w.weight.split(sizes), w.keep.split(sizes), strict=True)
     ]
+
+
+def check_integrity(learner: Learner, cfg: Config, step: int, nonfinite_run: int) -> None:
+    """Stop before a broken model is used or checkpointed: weights that are no longer finite, or
+    ``train.max_nonfinite_steps`` updates in a row skipped for a non-finite loss or gradient."""
+    last_saved = "no checkpoint was written" if step == 0 else "earlier checkpoints are intact"
+    if not learner.weights_finite():
+        raise KVStreamsError(
+            f"step {step + 1}: the update left non-finite weights (optim.lr = {cfg.optim.lr:g}); "
+            f"nothing from this step is saved and {last_saved}"
+        )
+    if nonfinite_run >= cfg.train.max_nonfinite_steps:
+        raise KVStreamsError(
+            f"step {step + 1}: {nonfinite_run} updates in a row skipped for a non-finite loss or gradient "
+            f"(train.max_nonfinite_steps = {cfg.train.max_nonfinite_steps}); check optim.lr and the loss "
+            f"coefficients; {last_saved}"
+        )

@@ -10,6 +10,7 @@ single-turn ones (``gsm8k``, ``recall``, ``bandit``) as one batch of prompts. Se
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
@@ -18,6 +19,7 @@ from kvstreams.chat import ChatFormat
 from kvstreams.cost import RolloutCost
 from kvstreams.engine import SamplingParams
 from kvstreams.envs import is_single_turn, make_env
+from kvstreams.errors import KVStreamsError
 from kvstreams.sampler import SamplerSpec, sample_episodes
 from kvstreams.trace import Trace
 from kvstreams.train.config import Config
@@ -190,3 +192,22 @@ class RolloutSource:
         errors = [res.error for res in results]
         outcomes = [numeric_outcomes(res.info) for res in results]
         return RolloutBatch(samples, [res.reward for res in results], stats, errors=errors, outcomes=outcomes)
+
+
+def report_failures(batch: RolloutBatch, step: int, reported: set[str]) -> None:
+    """Episodes whose environment raised are dropped from the batch (``learner_items``); each distinct
+    error is printed once, with the seed it first came from; a step where most episodes fail stops."""
+    errors = [e for e in batch.errors if e]
+    for error in errors:
+        kind = error.split(": ", 1)[-1]
+        if kind not in reported:
+            reported.add(kind)
+            print(
+                f"kvstreams train: step {step + 1}: episode dropped, environment failed ({error})",
+                file=sys.stderr,
+            )
+    if errors and len(errors) > len(batch.rewards) / 2:
+        raise KVStreamsError(
+            f"step {step + 1}: {len(errors)} of {len(batch.rewards)} episodes failed in their environment; "
+            f"first: {errors[0]}"
+        )

@@ -76,6 +76,20 @@ def check_output(base: Path, out: Path, force: bool) -> None:
         raise KVStreamsError(f"sft.out {str(out)!r} already holds a model; pass --force to overwrite it")
 
 
+def _batch(chosen: list, pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ids, attention mask and labels (-100 outside the expert's own tokens) of
+    ``(tokens, mask)`` demonstrations."""
+    width = max(len(t) for t, _ in chosen)
+    ids = torch.full((len(chosen), width), pad, dtype=torch.long)
+    labels = torch.full((len(chosen), width), -100, dtype=torch.long)
+    attention = torch.zeros((len(chosen), width), dtype=torch.long)
+    for b, (tokens, mask) in enumerate(chosen):
+        ids[b, : len(tokens)] = torch.tensor(tokens)
+        attention[b, : len(tokens)] = 1
+        labels[b, : len(tokens)] = torch.where(torch.tensor(mask), torch.tensor(tokens), -100)
+    return ids, attention, labels
+
+
 def sft(cfg: Config, show_progress: bool = True, force: bool = False) -> dict[str, Any]:
     s, r = cfg.sft, cfg.rollout
     check_output(Path(s.base), Path(s.out), force)
@@ -93,14 +107,7 @@ def sft(cfg: Config, show_progress: bool = True, force: bool = False) -> dict[st
     model.train()
     for step in range(s.steps):
         chosen = [demos[rng.randrange(len(demos))] for _ in range(s.batch_size)]
-        width = max(len(t) for t, _ in chosen)
-        ids = torch.full((len(chosen), width), pad, dtype=torch.long)
-        labels = torch.full((len(chosen), width), -100, dtype=torch.long)
-        attention = torch.zeros((len(chosen), width), dtype=torch.long)
-        for b, (tokens, mask) in enumerate(chosen):
-            ids[b, : len(tokens)] = torch.tensor(tokens)
-            attention[b, : len(tokens)] = 1
-            labels[b, : len(tokens)] = torch.where(torch.tensor(mask), torch.tensor(tokens), -100)
+        ids, attention, labels = _batch(chosen, pad)
         out = model(
             input_ids=ids.to(device),
             attention_mask=attention.to(device),
