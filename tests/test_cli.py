@@ -319,7 +319,7 @@ def test_verify_strategies(model_dirs, tmp_path):
         ),
         (["rollout", "--strategy", "nope"], "unknown compaction strategy"),
         (["rollout", "--strategy", "summary", "--env", "chess"], "unknown environment"),
-        (["rollout", "--strategy", "markovian", "--compact-budget", "40"], "not below the budget"),
+        (["rollout", "--strategy", "markovian", "--token-budget", "40"], "not below the budget"),
         (["rollout", "--strategy", "markovian", "--strategy-arg", "keep_tokens=0"], "keep_tokens"),
         (["rollout", "--strategy", "summary", "--mode", "sideways"], "invalid choice"),
         (["verify", "--strategy", "summary", "--policy", "h2o", "--budget", "1.0"], "keeps everything"),
@@ -344,3 +344,13 @@ def test_verify_floor_names_the_precision_it_measured(model_dirs, tmp_path, caps
     report = json.loads((tmp_path / "v.json").read_text())
     assert report["dtype"] == "bfloat16" and report["floor"] is not None
     assert report["reports"][0]["exact_gap"] < 1e-5  # float64 re-run: the record itself is exact
+
+
+def test_the_old_token_budget_flag_still_works_and_warns(model_dirs, tmp_path, capsys):
+    code = main(
+        ["rollout", "--model", str(model_dirs["qwen3"]), "--strategy", "markovian", "--compact-budget", "40",
+         "--out", str(tmp_path / "out")]
+    )  # fmt: skip
+    err = capsys.readouterr().err
+    assert "--compact-budget is now --token-budget" in err
+    assert code == 2 and "not below the budget B = 40" in err  # read as the token budget

@@ -38,7 +38,7 @@ def _cfg(model_dir: str, out: str = "runs/unused", **cluster) -> dict:
             "env": "memory",
             "env_args": {"n_turns": 3, "n_facts": 1, "noise_words": 8},
             "strategy": "markovian",
-            "strategy_args": {"budget": 160},
+            "strategy_args": {"token_budget": 160},
             "prompts_per_step": 3,
             "group_size": 2,
             "max_reply_tokens": 12,

@@ -77,7 +77,7 @@ def test_kvstreams_presets_are_turn_triggered(qwen, strategy, first_at, spans):
     model, tok = qwen
     options = {"max_bridge_tokens": 12} if strategy == "summary" else {}  # a random model writes to the limit
     chosen = make_strategy(strategy, preset="kvstreams", **options)
-    assert chosen.budget == 32768 and chosen.max_turns == first_at
+    assert chosen.token_budget == 32768 and chosen.max_turns == first_at
     runner = EpisodeRunner(
         model, tok, chosen, mode="stream", sampling=SamplingParams(seed=0), max_reply_tokens=8
     )
@@ -231,11 +231,11 @@ def test_failing_environments_end_their_episode_only(qwen):
 
 def test_budget_that_cannot_hold_the_head_is_rejected(qwen):
     model, tok = qwen
-    runner = EpisodeRunner(model, tok, make_strategy("sliding_window", budget=40), mode="stream")
+    runner = EpisodeRunner(model, tok, make_strategy("sliding_window", token_budget=40), mode="stream")
     with pytest.raises(KVStreamsError, match="not below the budget"):
         runner.run([make_env("memory")], [0])
     with pytest.raises(KVStreamsError, match="keep_tokens"):
-        make_strategy("markovian", budget=100, keep_tokens=100)
+        make_strategy("markovian", token_budget=100, keep_tokens=100)
     with pytest.raises(KVStreamsError, match="unknown compaction strategy"):
         make_strategy("nope")
 
@@ -260,7 +260,7 @@ def test_an_observation_larger_than_the_budget_is_truncated_and_counted(qwen):
     environment answers with far more than B tokens (before, one such answer took the peak to 22x B)."""
     model, tok = qwen
     budget, reply = 128, 8
-    strategy = make_strategy("sliding_window", budget=budget)
+    strategy = make_strategy("sliding_window", token_budget=budget)
     runner = EpisodeRunner(
         model, tok, strategy, mode="stream", sampling=SamplingParams(seed=0), max_reply_tokens=reply
     )
@@ -269,3 +269,25 @@ def test_an_observation_larger_than_the_budget_is_truncated_and_counted(qwen):
     assert stats.kv_peak_entries <= budget + reply + 1  # as with short observations
     text = tok.decode(results[0].traces[0].tokens.tolist())
     assert "[truncated]" in text and text.count("END") == 3  # 4 observations: the long one lost its end
+
+
+def test_the_old_name_of_the_token_budget_still_works_and_warns():
+    """B was ``budget`` before "budget" came to mean a policy's KV budget only: the old key is read as
+    ``token_budget`` everywhere a user may still write it (strategy options, configs, checkpointed
+    configs on resume), with a warning where the user wrote it."""
+    from kvstreams.train.checkpoint import config_changes
+    from kvstreams.train.config import load_config
+
+    with pytest.warns(FutureWarning, match="token_budget"):
+        strategy = make_strategy("sliding_window", budget=64)
+    assert strategy.token_budget == 64
+    with pytest.warns(FutureWarning, match="token_budget"):
+        cfg = load_config(None, ["rollout.strategy_args={budget = 96}"])
+    assert cfg.rollout.strategy_args == {"token_budget": 96}
+    old = cfg.model_dump()
+    old["rollout"]["strategy_args"] = {"budget": 96}  # a checkpoint written before the rename
+    assert config_changes(old, cfg.model_dump()) == {}
+    old["rollout"]["strategy_args"] = {"budget": 97}
+    assert config_changes(old, cfg.model_dump()) == {
+        "rollout.strategy_args": [{"token_budget": 97}, {"token_budget": 96}]
+    }

@@ -352,7 +352,7 @@ def test_fact_survival_counts_a_fact_only_while_it_is_in_view(qwen, model_dirs, 
     model, tok = qwen
     sets = [f'model.path="{model_dirs["qwen3"]}"', f"rollout.mode={mode!r}", 'rollout.strategy="markovian"']
     sets += ["rollout.env_args={n_turns = 4, n_facts = 1, noise_words = 12}", "rollout.max_reply_tokens=16"]
-    sets += ["rollout.strategy_args={budget = 160}", f'train.out_dir="{tmp_path}"']
+    sets += ["rollout.strategy_args={token_budget = 160}", f'train.out_dir="{tmp_path}"']
     figures = fact_survival(RolloutSource(model, tok, load_config(None, sets)), 4)
     assert figures["fact_survival"] == survives
 

@@ -174,7 +174,7 @@ def test_kill_9_mid_run_then_resume_gives_the_uninterrupted_run(model_dirs, tmp_
         "rollout.prompts_per_step=1",
         "rollout.group_size=4",
         "rollout.max_reply_tokens=16",
-        "rollout.strategy_args={budget = 160}",
+        "rollout.strategy_args={token_budget = 160}",
         "train.steps=6",
         "train.eval_every=0",
         "train.tensorboard=false",

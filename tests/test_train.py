@@ -165,7 +165,7 @@ def small_config(model_dir: str, tmp_path, **sets):
         "rollout.prompts_per_step=1",
         "rollout.group_size=4",
         "rollout.max_reply_tokens=16",
-        "rollout.strategy_args={budget = 160}",
+        "rollout.strategy_args={token_budget = 160}",
         "train.steps=2",
         "train.eval_every=2",
         "train.eval_episodes=2",

@@ -25,6 +25,15 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+class _Renamed(argparse.Action):
+    """A flag whose old spellings (after the first) still work, with a warning on stderr."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string != self.option_strings[0]:
+            print(f"kvstreams: {option_string} is now {self.option_strings[0]}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
 def _number(kind: type, low: float, strict: bool):
     """An argparse type: a finite ``kind`` above ``low`` (``strict``) or at least ``low``."""
 
@@ -129,7 +138,9 @@ def _add_episode_args(p: argparse.ArgumentParser, repeat_strategy: bool = False)
         "--preset",
         help="named strategy settings: kvstreams = the KV-streams authors' (turn-triggered) configuration",
     )
-    g.add_argument("--compact-budget", type=_positive(int), help="token budget B of the strategy")
+    g.add_argument(
+        "--token-budget", "--compact-budget", type=_positive(int), action=_Renamed, help="token budget B"
+    )
     g.add_argument("--turn-budget", type=int, help="also compact every N turns")
     _pairs(g, "--strategy-arg", "strategy option (repeatable)")
     g.add_argument(
@@ -390,18 +401,9 @@ def cmd_config(args) -> int:
 def cmd_bench(args) -> int:
     from kvstreams.bench import run_benches
 
-    run_benches(
-        args.which,
-        args.quick,
-        Path(args.out),
-        Path(args.models) if args.models else None,
-        args.json,
-        curve=args.curve,
-        model=args.model,
-        device=args.device,
-        kvpress_python=args.kvpress_python,
-        llama_cpp=args.llama_cpp,
-    )
+    choices = {k: getattr(args, k) for k in ("curve", "model", "device", "kvpress_python", "llama_cpp")}
+    models = Path(args.models) if args.models else None
+    run_benches(args.which, args.quick, Path(args.out), models, args.json, **choices)
     return 0
 
 

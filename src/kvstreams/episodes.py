@@ -189,7 +189,7 @@ class EpisodeRunner:
         sample_seeds = list(seeds) if sample_seeds is None else list(sample_seeds)
         start = time.perf_counter()
         if self.strategy is not None:
-            self.strategy = self.strategy.with_budget(envs[0].context_budget)
+            self.strategy = self.strategy.with_token_budget(envs[0].token_budget)
         self.session = StreamSession(
             self.model,
             len(envs),
@@ -392,7 +392,7 @@ class EpisodeRunner:
             return incoming
         head = sum(u.length for u in ep.units if u.kind == UnitKind.HEAD)
         newest_reply = len(self.header) + self.max_reply_tokens + 1  # + its end-of-turn token
-        cap = self.strategy.budget_tokens - head  # type: ignore[union-attr]
+        cap = self.strategy.token_budget_in_force - head  # type: ignore[union-attr]
         cap -= newest_reply + len(self.header) + 2 * (self.block_size - 1)
         if len(incoming) <= cap:
             return incoming

@@ -68,7 +68,7 @@ class RolloutOptions:
     env_arg: list[str] = field(default_factory=list)
     mode: str | None = None
     preset: str | None = None
-    compact_budget: int | None = None
+    token_budget: int | None = None
     turn_budget: int | None = None
     strategy_arg: list[str] = field(default_factory=list)
     recall: str | None = None
@@ -128,8 +128,8 @@ class RolloutOptions:
         from kvstreams.compaction import make_strategy
 
         options = key_values(self.strategy_arg, "--strategy-arg")
-        if self.compact_budget is not None:
-            options["budget"] = self.compact_budget
+        if self.token_budget is not None:
+            options["token_budget"] = self.token_budget
         if self.turn_budget is not None:
             options["turn_budget"] = self.turn_budget
         return make_strategy(name, preset=self.preset, **options)

@@ -23,13 +23,13 @@ from kvstreams.bench.report import BenchReport, Target, progress_bar, save_figur
 
 @dataclass(frozen=True)
 class Point:
-    """One compaction setting played by ``episodes`` episodes of ``turns`` turns; ``budget`` None is
-    the environment's default B (or the preset's); ``preset`` names the strategy's settings."""
+    """One compaction setting played by ``episodes`` episodes of ``turns`` turns; ``token_budget``
+    None is the environment's default B (or the preset's); ``preset`` names the strategy's settings."""
 
     model: str
     env: str
     strategy: str
-    budget: int | None = None
+    token_budget: int | None = None
     episodes: int = 4
     turns: int = 40
     preset: str | None = None
@@ -133,7 +133,7 @@ def play(
 
     strategy = None
     if mode != "full":
-        options = {"budget": point.budget} if point.budget else {}
+        options = {"token_budget": point.token_budget} if point.token_budget else {}
         strategy = make_strategy(point.strategy, preset=point.preset, **options)
     episodes = point.episodes
     envs = [make_env(point.env, **_env_args(point.env, point.turns)) for _ in range(episodes)]
@@ -149,11 +149,11 @@ def play(
     _, st = sample_episodes(
         model, tokenizer, spec, envs, [settings.seed + i for i in range(episodes)], sampling
     )
-    budget = strategy.with_budget(envs[0].context_budget).budget_tokens if strategy is not None else None
-    return _play_row(point, mode, policy, block_size, budget, st)
+    b = strategy.with_token_budget(envs[0].token_budget).token_budget_in_force if strategy else None
+    return _play_row(point, mode, policy, block_size, b, st)
 
 
-def _play_row(point: Point, mode: str, policy, block_size: int, budget: int | None, st) -> dict[str, Any]:
+def _play_row(point: Point, mode: str, policy, block_size: int, b: int | None, st) -> dict[str, Any]:
     """The figures of one :func:`play` from its rollout cost ``st``."""
     episodes = point.episodes
     retained = st.retained_mean / st.context_at_compaction_mean if st.compactions else None
@@ -163,7 +163,7 @@ def _play_row(point: Point, mode: str, policy, block_size: int, budget: int | No
         "model": point.model,
         "env": point.env,
         "strategy": point.label if mode != "full" else "-",
-        "B": budget,
+        "B": b,
         "mode": mode,
         "policy": f"{policy[0]} {policy[1]}" if policy else "-",
         "block": block_size,
@@ -212,7 +212,7 @@ def _n_runs(settings: RolloutBenchSettings, filler_points: list[Point]) -> int:
 def _play_point(model, tok, point: Point, settings: RolloutBenchSettings, filler: bool, step):
     """The point in stream and re-prefill mode (and with ``filler``, stream at the filler block size):
     the rows by mode, and the blocked row or None."""
-    name = f"{point.model} {point.env} {point.label} B={point.budget or 'env'}"
+    name = f"{point.model} {point.env} {point.label} B={point.token_budget or 'env'}"
     rows = {}
     for mode in ("stream", "reprefill"):
         step(f"{name} {mode}")

@@ -17,6 +17,7 @@ The runner applies the decision in one of three modes (``stream``: evict in plac
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, ClassVar
@@ -61,9 +62,9 @@ class CompactionStrategy:
     #: configuration of the strategy (their released TextWorld configs)
     presets: ClassVar[dict[str, dict[str, Any]]] = {}
 
-    #: B: compact when the live context plus the incoming message would exceed it. None: the
-    #: environment's ``context_budget`` (its messages' typical size decides what a sensible B is)
-    budget: int | None = None
+    #: B, the token budget: compact when the live context plus the incoming message would exceed it.
+    #: None: the environment's ``token_budget`` (its messages' typical size decides what a sensible B is)
+    token_budget: int | None = None
     turn_budget: int = 0  # > 0: also compact every this many turns since the last compaction
     #: > 0: turn-triggered, compact when the context holds this many turns (a turn: a reply and the
     #: environment's answer to it) ...
@@ -72,8 +73,10 @@ class CompactionStrategy:
     drop_turns: int = 0
 
     def __post_init__(self) -> None:
-        if self.budget is not None and self.budget < 16:
-            raise KVStreamsError(f"{self.name}: budget must be at least 16 tokens, got {self.budget}")
+        if self.token_budget is not None and self.token_budget < 16:
+            raise KVStreamsError(
+                f"{self.name}: token_budget must be at least 16 tokens, got {self.token_budget}"
+            )
         if self.turn_budget < 0 or self.max_turns < 0 or self.drop_turns < 0:
             raise KVStreamsError(f"{self.name}: turn_budget, max_turns and drop_turns must be >= 0")
         if self.drop_turns and not 0 < self.drop_turns < self.max_turns:
@@ -81,21 +84,24 @@ class CompactionStrategy:
                 f"{self.name}: drop_turns ({self.drop_turns}) needs max_turns above it (got {self.max_turns})"
             )
 
-    def with_budget(self, budget: int) -> CompactionStrategy:
-        """This strategy with ``budget`` filled in when it was left to the environment."""
-        return self if self.budget is not None else dataclasses.replace(self, budget=budget)
+    def with_token_budget(self, token_budget: int) -> CompactionStrategy:
+        """This strategy with ``token_budget`` filled in when it was left to the environment."""
+        if self.token_budget is not None:
+            return self
+        return dataclasses.replace(self, token_budget=token_budget)
 
     @property
-    def budget_tokens(self) -> int:
-        """The token budget B in force (``budget``, or the environment's once :meth:`with_budget` ran)."""
-        if self.budget is None:
-            raise KVStreamsError(f"{self.name}: no budget set (use with_budget)")
-        return self.budget
+    def token_budget_in_force(self) -> int:
+        """The token budget B in force (``token_budget``, or the environment's once
+        :meth:`with_token_budget` ran)."""
+        if self.token_budget is None:
+            raise KVStreamsError(f"{self.name}: no token_budget set (use with_token_budget)")
+        return self.token_budget
 
     @property
     def when(self) -> Trigger:
         """When to compact: the trigger these fields configure."""
-        return Trigger(self.budget_tokens, self.turn_budget, self.max_turns)
+        return Trigger(self.token_budget_in_force, self.turn_budget, self.max_turns)
 
     def deletion(self, head: int, units: list[UnitView], incoming: int, reason: Reason) -> int:
         """How many of the oldest live units after the head go: the oldest ``drop_turns`` turns when a
@@ -124,16 +130,16 @@ class CompactionStrategy:
         return max_reply_tokens
 
     def min_retained(self, head: int) -> int:
-        """The least a compaction can keep (head + what the strategy always keeps): must stay < budget."""
+        """The least a compaction can keep (head + what the strategy always keeps): must stay < the token budget."""
         return head
 
     def check(self, head: int) -> None:
         r = self.min_retained(head)
-        if r >= self.budget_tokens:
+        if r >= self.token_budget_in_force:
             raise KVStreamsError(
                 f"{self.name}: retained context r = {r} tokens (head {head} + what the strategy keeps) is not "
-                f"below the budget B = {self.budget_tokens}; re-prefill cost N*r/(B-r) would diverge and compaction "
-                "could never make room. Raise the budget or keep less."
+                f"below the budget B = {self.token_budget_in_force}; re-prefill cost N*r/(B-r) would diverge and compaction "
+                "could never make room. Raise token_budget or keep less."
             )
 
     def describe(self) -> dict[str, Any]:
@@ -174,4 +180,12 @@ def make_strategy(name: str, preset: str | None = None, **kwargs: Any) -> Compac
                     f"compaction strategy {name!r} has no preset {preset!r} (presets: {choices})"
                 )
             options.update(cls.presets[preset])
+    if "budget" in kwargs:  # the name B had before "budget" came to mean a policy's KV budget only
+        warnings.warn(
+            f"compaction strategy option 'budget' is now 'token_budget' (B); 'budget' = {kwargs['budget']} "
+            "is read as token_budget",
+            FutureWarning,
+            stacklevel=2,
+        )
+        kwargs = {"token_budget": kwargs.pop("budget"), **kwargs}
     return _REGISTRY.make(name, **{**options, **kwargs})

@@ -25,7 +25,7 @@ from kvstreams.errors import KVStreamsError
 @dataclass
 class Markovian(CompactionStrategy):
     presets: ClassVar[dict[str, dict[str, Any]]] = {
-        "kvstreams": {"max_turns": 10, "drop_turns": 5, "budget": 32768}
+        "kvstreams": {"max_turns": 10, "drop_turns": 5, "token_budget": 32768}
     }
 
     keep_tokens: int | None = None  # None: a third of the budget
@@ -34,15 +34,19 @@ class Markovian(CompactionStrategy):
         super().__post_init__()
         if self.keep_tokens is not None and self.keep_tokens < 1:
             raise KVStreamsError(f"markovian: keep_tokens must be positive, got {self.keep_tokens}")
-        if self.keep_tokens is not None and self.budget is not None and self.keep_tokens >= self.budget:
+        if (
+            self.keep_tokens is not None
+            and self.token_budget is not None
+            and self.keep_tokens >= self.token_budget
+        ):
             raise KVStreamsError(
-                f"markovian: keep_tokens ({self.keep_tokens}) must be below the budget ({self.budget}): "
+                f"markovian: keep_tokens ({self.keep_tokens}) must be below the token_budget ({self.token_budget}): "
                 "retaining r >= B leaves no room to compact"
             )
 
     @property
     def keep(self) -> int:
-        return self.keep_tokens if self.keep_tokens is not None else self.budget_tokens // 3
+        return self.keep_tokens if self.keep_tokens is not None else self.token_budget_in_force // 3
 
     def units_to_delete(self, head: int, units: list[UnitView], incoming: int) -> int:
         kept, n_keep = 0, 0

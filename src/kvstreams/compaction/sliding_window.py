@@ -23,7 +23,7 @@ from kvstreams.errors import KVStreamsError
 @dataclass
 class SlidingWindow(CompactionStrategy):
     presets: ClassVar[dict[str, dict[str, Any]]] = {
-        "kvstreams": {"max_turns": 10, "drop_turns": 1, "budget": 32768}
+        "kvstreams": {"max_turns": 10, "drop_turns": 1, "token_budget": 32768}
     }
 
     stride: int = 1
@@ -36,7 +36,7 @@ class SlidingWindow(CompactionStrategy):
     def units_to_delete(self, head: int, units: list[UnitView], incoming: int) -> int:
         live = head + sum(u.length for u in units)
         n = 0
-        while n < len(units) - 1 and live + incoming > self.budget_tokens:
+        while n < len(units) - 1 and live + incoming > self.token_budget_in_force:
             step = min(2 * self.stride, len(units) - 1 - n)  # a turn is two units: reply + answer
             live -= sum(u.length for u in units[n : n + step])
             n += step

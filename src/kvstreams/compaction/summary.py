@@ -26,7 +26,7 @@ from kvstreams.errors import KVStreamsError
 class Summary(CompactionStrategy):
     bridge: ClassVar[Bridge | None] = Bridge.INSTRUCTION
     presets: ClassVar[dict[str, dict[str, Any]]] = {
-        "kvstreams": {"max_turns": 8, "drop_turns": 5, "max_bridge_tokens": 1024, "budget": 32768}
+        "kvstreams": {"max_turns": 8, "drop_turns": 5, "max_bridge_tokens": 1024, "token_budget": 32768}
     }
 
     instruction: str = (

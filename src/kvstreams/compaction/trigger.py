@@ -2,12 +2,12 @@
 
 kvpress keeps the two apart (``DecodingPress(base_press, compression_interval)``: the wrapper says
 when, the press what); so do we. A :class:`Trigger` fires on the token budget (the live context
-plus the incoming message would exceed ``budget``), every ``turn_budget`` turns since the last
+plus the incoming message would exceed ``token_budget``), every ``turn_budget`` turns since the last
 compaction, or when the context holds ``max_turns`` turns. The model itself can also decide to
 compact (the ``model_triggered`` strategy's marker): :attr:`Reason.MODEL`.
 
 A strategy's fields configure its trigger (``CompactionStrategy.when``), so configs stay flat:
-``budget``, ``turn_budget``, ``max_turns`` sit next to the strategy's own options.
+``token_budget``, ``turn_budget``, ``max_turns`` sit next to the strategy's own options.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class Reason(StrEnum):
 
 @dataclass(frozen=True)
 class Trigger:
-    budget: int  # B: compact when the live context plus the incoming message would exceed it
+    token_budget: int  # B: compact when the live context plus the incoming message would exceed it
     turn_budget: int = 0  # > 0: also every this many turns since the last compaction
     max_turns: int = 0  # > 0: also when the context holds this many turns
 
@@ -36,6 +36,6 @@ class Trigger:
             return Reason.TURNS
         if self.turn_budget and turns_since >= self.turn_budget:
             return Reason.TURNS
-        if live + incoming > self.budget:
+        if live + incoming > self.token_budget:
             return Reason.TOKENS
         return None

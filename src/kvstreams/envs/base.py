@@ -41,7 +41,7 @@ class StepResult(NamedTuple):
 class Environment:
     name: ClassVar[str] = "base"
     #: default compaction budget B in tokens, sized to this environment's messages
-    context_budget: ClassVar[int] = 512
+    token_budget: ClassVar[int] = 512
     #: one prompt, one reply (sampled by the rollout engine with a KV compression policy, no compaction)
     single_turn: ClassVar[bool] = False
     #: the range an episode's rewards must sum to (an episode outside it is dropped, not trained on)

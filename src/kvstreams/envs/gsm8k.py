@@ -79,7 +79,7 @@ class GSM8KEnv(Environment):
     tasks) for every problem, rather than a fresh draw per problem.
     """
 
-    context_budget: ClassVar[int] = 1024
+    token_budget: ClassVar[int] = 1024
     single_turn: ClassVar[bool] = True
 
     path: str = "../shared/data/gsm8k/train.jsonl"

@@ -45,7 +45,7 @@ NAMES = ("apple", "book", "lamp", "coin", "map", "note")
 @register("memory")
 @dataclass
 class MemoryEnv(Environment):
-    context_budget: ClassVar[int] = 384
+    token_budget: ClassVar[int] = 384
 
     n_facts: int = 2
     n_turns: int = 10

@@ -49,7 +49,7 @@ _CODE = re.compile(r"\d{4}")
 @register("recall")
 @dataclass
 class RecallEnv(Environment):
-    context_budget: ClassVar[int] = 512
+    token_budget: ClassVar[int] = 512
     single_turn: ClassVar[bool] = True
 
     n_filler: int = 16

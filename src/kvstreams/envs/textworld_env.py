@@ -96,7 +96,7 @@ def cached_game_problem(story: Path) -> str | None:
 @register("textworld")
 @dataclass
 class TextWorldEnv(Environment):
-    context_budget: ClassVar[int] = 1024
+    token_budget: ClassVar[int] = 1024
 
     world_size: int = 3
     nb_objects: int = 6

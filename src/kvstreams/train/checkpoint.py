@@ -232,7 +232,7 @@ FREE_TO_CHANGE = (
 def config_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, list[Any]]:
     """Dotted keys whose value differs between two config dumps, except :data:`FREE_TO_CHANGE`
     (``train.steps`` only under a constant schedule: it stretches a linear or cosine one)."""
-    a, b = _flatten(old), _flatten(new)
+    a, b = _flatten(_renamed(old)), _flatten(_renamed(new))
     free = FREE_TO_CHANGE
     if b.get("optim.schedule", "constant") != "constant":
         free = tuple(k for k in FREE_TO_CHANGE if k != "train.steps")
@@ -241,6 +241,16 @@ def config_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, list[A
         for k in sorted(set(a) | set(b))
         if a.get(k) != b.get(k) and not k.startswith(free)
     }
+
+
+def _renamed(dump: dict[str, Any]) -> dict[str, Any]:
+    """A config dump under today's names (a run checkpointed before a rename resumes as unchanged)."""
+    from kvstreams.train.config import renamed_strategy_args
+
+    rollout = dump.get("rollout")
+    if not isinstance(rollout, dict) or not isinstance(rollout.get("strategy_args"), dict):
+        return dump
+    return {**dump, "rollout": {**rollout, "strategy_args": renamed_strategy_args(rollout["strategy_args"])}}
 
 
 def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -70,6 +70,29 @@ class RolloutSection(_Section):
     max_new_tokens: int = Field(256, ge=1, description="single-turn environments")
     block_size: int = Field(1, ge=1)
 
+    @field_validator("strategy_args")
+    @classmethod
+    def _token_budget(cls, args: dict[str, Any]) -> dict[str, Any]:
+        """B is ``token_budget``; ``budget`` (its name before "budget" meant a policy's only) is read as
+        it, with a warning."""
+        return renamed_strategy_args(args, warn=True)
+
+
+def renamed_strategy_args(args: dict[str, Any], warn: bool = False) -> dict[str, Any]:
+    """``strategy_args`` with the old key ``budget`` renamed ``token_budget`` (configs and checkpoints
+    written before the rename)."""
+    if "budget" not in args:
+        return args
+    if warn:
+        import warnings
+
+        warnings.warn(
+            "rollout.strategy_args.budget is now rollout.strategy_args.token_budget (B)",
+            FutureWarning,
+            stacklevel=2,
+        )
+    return {"token_budget": args["budget"], **{k: v for k, v in args.items() if k != "budget"}}
+
 
 LossSection = Annotated[
     ShadowLoss
