@@ -312,7 +312,7 @@ def test_verify_strategies(model_dirs, tmp_path):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["rollout", "--mode", "reprefill"], "needs --strategy"),
+        (["rollout", "--mode", "reprefill"], "needs a compaction strategy"),
         (
             ["rollout", "--strategy", "summary", "--policy", "h2o", "--policy-arg", "budget_of=context"],
             "context",

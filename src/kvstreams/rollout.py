@@ -96,7 +96,14 @@ class RolloutOptions:
         )
 
     def policy(self, name: str):
-        from kvstreams.policies import make_policy, parse_budget
+        from kvstreams.policies import make_policy
+
+        return make_policy(name, **self.policy_args())
+
+    def policy_args(self) -> dict[str, object]:
+        """The policy's options: ``--policy-arg``s, the budget (kept, or 1 - the share dropped), its
+        reference and interval."""
+        from kvstreams.policies import parse_budget
 
         options = key_values(self.policy_arg)
         if self.budget is not None and self.compression is not None:
@@ -114,7 +121,7 @@ class RolloutOptions:
             options["budget_of"] = self.budget_of
         if self.interval is not None:
             options["interval"] = self.interval
-        return make_policy(name, **options)
+        return options
 
     def stream_policy(self, name: str):
         """A policy to compress inside multi-turn episodes: its budget checked before the model loads."""
@@ -124,15 +131,45 @@ class RolloutOptions:
         StreamBudget(policy)
         return policy
 
-    def strategy(self, name: str):
-        from kvstreams.compaction import make_strategy
-
+    def strategy_args(self) -> dict[str, object]:
         options = key_values(self.strategy_arg, "--strategy-arg")
         if self.token_budget is not None:
             options["token_budget"] = self.token_budget
         if self.turn_budget is not None:
             options["turn_budget"] = self.turn_budget
-        return make_strategy(name, preset=self.preset, **options)
+        return options
+
+    def strategy(self, name: str):
+        from kvstreams.compaction import make_strategy
+
+        return make_strategy(name, preset=self.preset, **self.strategy_args())
+
+    def section(self, policy: str | None, strategy: str | None, mode: str):
+        """These options as a training config's ``[rollout]`` section, checked by the config's rules
+        (:func:`kvstreams.train.config.check_rollout`: one place says what may be sampled together)."""
+        from pydantic import ValidationError
+
+        from kvstreams.train.config import RolloutSection, check_rollout
+
+        try:
+            section = RolloutSection(
+                env=self.env or "memory",
+                env_args=key_values(self.env_arg, "--env-arg"),
+                strategy=strategy,
+                strategy_preset=self.preset,
+                strategy_args=self.strategy_args(),
+                mode=mode,
+                policy=policy,
+                policy_args=self.policy_args() if policy else {},
+                recall=self.recall,
+                recall_args=key_values(self.recall_arg, "--recall-arg"),
+                block_size=self.block_size,
+                max_reply_tokens=self.max_reply_tokens,
+            )
+            check_rollout(section)
+        except (ValueError, ValidationError) as err:
+            raise KVStreamsError(str(err).removeprefix("rollout: ")) from None
+        return section
 
     def envs(self, n: int):
         from kvstreams.envs import make_env
@@ -249,22 +286,18 @@ def _rollout_episodes(
     opts: RolloutOptions, policy_name: str | None, strategy_name: str | None, out: Path
 ) -> str:
     from kvstreams.atomic import write_json
-    from kvstreams.compaction.recall import check_mode
     from kvstreams.progress import progress
     from kvstreams.rollout_summary import episode_summary, save_episode_traces
     from kvstreams.sampler import SamplerSpec, sample_episodes
 
     mode = opts.mode or ("stream" if strategy_name else "full")
-    if mode != "full" and not strategy_name:
-        raise KVStreamsError(f"--mode {mode} needs --strategy")
-    strategy = opts.strategy(strategy_name) if strategy_name else None
-    policy = opts.stream_policy(policy_name) if policy_name else None  # compression inside the episodes
-    check_mode(opts.make_recall(), mode)
-    env = opts.env or "memory"
+    section = opts.section(policy_name, strategy_name, mode)  # the config's rules, before any model loads
+    spec = SamplerSpec.from_rollout(section, model_name=str(opts.model))
+    strategy = opts.strategy(strategy_name) if strategy_name else None  # for the summary, in any mode
+    env = section.env
     envs = opts.envs(opts.episodes)
     check_out(out, traces=True)
     model, tokenizer = opts.load()
-    spec = SamplerSpec(env, strategy, mode, policy, **opts.runner_options())
     with progress(f"rollout {env} {mode}", None) as bar:
         results, stats = sample_episodes(
             model, tokenizer, spec, envs, opts.seeds(), opts.params(), progress=bar.advance

@@ -274,14 +274,12 @@ class Config(_Section):
             )
         if r.mode == "reprefill" and loss.type != "reprefill":
             raise ValueError("rollout.mode = 'reprefill' gives segments: set loss.type = 'reprefill'")
-        if r.mode != "full" and not is_single_turn(r.env) and not r.strategy:
-            raise ValueError(f"rollout.mode = {r.mode!r} needs rollout.strategy")
         if self.train.backend == "flex" and self.model.device == "cpu":
             raise ValueError(
                 "train.backend = 'flex' needs a GPU: torch's flex_attention has no backward on CPU "
                 "(use 'sdpa' or 'blocksparse' on CPU; `kvstreams verify --backend flex` checks the forward there)"
             )
-        _check_builds(r)
+        check_rollout(r)
         if self.train.asynchronous and r.mode == "reprefill":
             raise ValueError("asynchronous training is implemented for stream and full modes")
         _check_cluster(self)
@@ -322,6 +320,16 @@ def _check_cluster(cfg: Config) -> None:
         raise ValueError("model.device is CUDA: set cluster.learner_gpus = 1 (one GPU per FSDP2 rank)")
     if on_gpu and c.rollout_workers and c.worker_gpus == 0:
         raise ValueError("model.device is CUDA: give rollout workers a GPU share (cluster.worker_gpus)")
+
+
+def check_rollout(r: RolloutSection) -> None:
+    """The rules of what may be sampled together, in one place (training configs and ``kvstreams
+    rollout`` both ask here): a compacting mode needs a strategy, and everything named builds."""
+    if r.mode != "full" and not is_single_turn(r.env) and not r.strategy:
+        raise ValueError(
+            f"rollout.mode = {r.mode!r} needs a compaction strategy (rollout.strategy, --strategy)"
+        )
+    _check_builds(r)
 
 
 def _check_builds(r: RolloutSection) -> None:
