@@ -88,8 +88,8 @@ def verify(path: Path, args) -> list[dict]:
 
 
 def grpo(path: Path, args, out: Path) -> dict:
+    from kvstreams.loop import train
     from kvstreams.train.config import load_config
-    from kvstreams.train.loop import train
 
     backend = "flex" if args.device.startswith("cuda") else "sdpa"
     cfg = load_config(
