@@ -63,7 +63,7 @@ def main() -> None:
         )
     for arm in ("shadow-distill", "shadow-50", "naive-50"):
         seeds = sorted(s for a, s in by if a == arm)
-        for key in ("mismatch/ess", "mismatch/k3_kl", "clip/frac"):
+        for key in ("mismatch/ess", "mismatch/k3_kl", "clip/frac", "loss/distill", "entropy/mean"):
             values = [by[arm, s]["means"].get(key) for s in seeds]
             values = [v for v in values if v is not None]
             if values:
