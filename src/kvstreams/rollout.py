@@ -293,7 +293,8 @@ def _rollout_episodes(
     mode = opts.mode or ("stream" if strategy_name else "full")
     section = opts.section(policy_name, strategy_name, mode)  # the config's rules, before any model loads
     spec = SamplerSpec.from_rollout(section, model_name=str(opts.model))
-    strategy = opts.strategy(strategy_name) if strategy_name else None  # for the summary, in any mode
+    # the summary names the strategy in any mode (the spec holds one only where something is compacted)
+    strategy = spec.strategy or (opts.strategy(strategy_name) if strategy_name else None)
     env = section.env
     envs = opts.envs(opts.episodes)
     check_out(out, traces=True)

@@ -180,12 +180,20 @@ def make_strategy(name: str, preset: str | None = None, **kwargs: Any) -> Compac
                     f"compaction strategy {name!r} has no preset {preset!r} (presets: {choices})"
                 )
             options.update(cls.presets[preset])
-    if "budget" in kwargs:  # the name B had before "budget" came to mean a policy's KV budget only
+    return _REGISTRY.make(name, **{**options, **renamed_options(kwargs, warn=True)})
+
+
+def renamed_options(options: dict[str, Any], warn: bool = False) -> dict[str, Any]:
+    """A strategy's options under today's names: ``budget`` (B's name before "budget" came to mean a
+    policy's KV budget only) read as ``token_budget``, with a warning where the user wrote it (strategy
+    options, configs); without one for configs stored in checkpoints."""
+    if "budget" not in options:
+        return options
+    if warn:
         warnings.warn(
-            f"compaction strategy option 'budget' is now 'token_budget' (B); 'budget' = {kwargs['budget']} "
+            f"compaction strategy option 'budget' is now 'token_budget' (B); 'budget' = {options['budget']} "
             "is read as token_budget",
             FutureWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
-        kwargs = {"token_budget": kwargs.pop("budget"), **kwargs}
-    return _REGISTRY.make(name, **{**options, **kwargs})
+    return {"token_budget": options["budget"], **{k: v for k, v in options.items() if k != "budget"}}

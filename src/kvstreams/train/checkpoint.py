@@ -245,12 +245,12 @@ def config_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, list[A
 
 def _renamed(dump: dict[str, Any]) -> dict[str, Any]:
     """A config dump under today's names (a run checkpointed before a rename resumes as unchanged)."""
-    from kvstreams.train.config import renamed_strategy_args
+    from kvstreams.compaction.base import renamed_options
 
     rollout = dump.get("rollout")
     if not isinstance(rollout, dict) or not isinstance(rollout.get("strategy_args"), dict):
         return dump
-    return {**dump, "rollout": {**rollout, "strategy_args": renamed_strategy_args(rollout["strategy_args"])}}
+    return {**dump, "rollout": {**rollout, "strategy_args": renamed_options(rollout["strategy_args"])}}
 
 
 def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -75,23 +75,9 @@ class RolloutSection(_Section):
     def _token_budget(cls, args: dict[str, Any]) -> dict[str, Any]:
         """B is ``token_budget``; ``budget`` (its name before "budget" meant a policy's only) is read as
         it, with a warning."""
-        return renamed_strategy_args(args, warn=True)
+        from kvstreams.compaction.base import renamed_options
 
-
-def renamed_strategy_args(args: dict[str, Any], warn: bool = False) -> dict[str, Any]:
-    """``strategy_args`` with the old key ``budget`` renamed ``token_budget`` (configs and checkpoints
-    written before the rename)."""
-    if "budget" not in args:
-        return args
-    if warn:
-        import warnings
-
-        warnings.warn(
-            "rollout.strategy_args.budget is now rollout.strategy_args.token_budget (B)",
-            FutureWarning,
-            stacklevel=2,
-        )
-    return {"token_budget": args["budget"], **{k: v for k, v in args.items() if k != "budget"}}
+        return renamed_options(args, warn=True)
 
 
 LossSection = Annotated[
