@@ -61,7 +61,7 @@ def main() -> None:
             f"{a} - {b}, seeds {seeds}: final {fmt(final)} (per seed {', '.join(f'{d:+.3f}' for d in final)}); "
             f"dense {fmt(dense)} (per seed {', '.join(f'{d:+.3f}' for d in dense)})"
         )
-    for arm in ("shadow-distill", "shadow-50", "naive-50"):
+    for arm in ("shadow", "full-kv", "shadow-distill", "shadow-50", "naive-50"):
         seeds = sorted(s for a, s in by if a == arm)
         for key in ("mismatch/ess", "mismatch/k3_kl", "clip/frac", "loss/distill", "entropy/mean"):
             values = [by[arm, s]["means"].get(key) for s in seeds]
