@@ -71,6 +71,20 @@ def default_dir(name: str = "smollm2", dtype: str = "float32") -> Path:
     return cache_root() / "models" / f"{name}-{dtype}"
 
 
+def model_directory(name_or_path: str) -> str:
+    """A model directory as configs name it: a pretrained model's name (``smollm2``: its converted
+    float32 directory, which must exist) or a path, returned as given."""
+    if name_or_path not in PRETRAINED:
+        return name_or_path
+    target = default_dir(name_or_path, "float32")
+    if not cached(target, PRETRAINED[name_or_path]):
+        raise KVStreamsError(
+            f"{name_or_path} has not been converted ({target} is missing): run `make real-model` "
+            f"(or `kvstreams pretrained {name_or_path}`)"
+        )
+    return str(target)
+
+
 def spec_of(name: str) -> Pretrained:
     if name not in PRETRAINED:
         raise KVStreamsError(f"unknown pretrained model {name!r}; available: {', '.join(sorted(PRETRAINED))}")

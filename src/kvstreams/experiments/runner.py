@@ -45,7 +45,9 @@ def warm_start(spec: ExperimentSpec, seed: int, models: Path, quick: bool, log) 
     on the environment's expert (made once, reused by every arm and by reruns); None while another
     process is making it."""
     if spec.model is not None:
-        return spec.model
+        from kvstreams.pretrained import model_directory
+
+        return model_directory(spec.model)
     ws = spec.warm_start
     assert ws is not None
     out = models / f"seed-{seed}"

@@ -130,7 +130,10 @@ class ExperimentSpec(_Table):
     )
     check: Check | None = None
     seeds: int = Field(3, ge=1)
-    model: str | None = Field(None, description="an existing model directory for every run")
+    model: str | None = Field(
+        None,
+        description="an existing model directory for every run, or a converted pretrained model's name (smollm2)",
+    )
     warm_start: WarmStart | None = None
     base: dict[str, Any] = Field(default_factory=dict)
     arms: list[Arm] = Field(default_factory=list)
