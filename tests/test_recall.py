@@ -250,3 +250,64 @@ def test_recall_configs_that_cannot_work_are_refused_before_loading(model_dirs, 
         )
     with pytest.raises(KVStreamsError, match="unknown recall"):
         small_config(model_dirs["qwen3"], tmp_path, **{"rollout.recall": '"oracle"'})
+
+
+def test_a_model_trigger_takes_its_query_from_the_reply_tag_only():
+    from kvstreams.compaction.recall import make_recall
+
+    asked = make_recall("lexical", trigger="model")
+    reply = (
+        "<state></state><recall>the color</recall> then <recall>remember color</recall><action>ok</action>"
+    )
+    assert asked.query("Final question: what is the color?", reply) == "remember color"  # the last tag
+    assert asked.query("Final question: what is the color?", "<action>ok</action>") is None
+    assert make_recall("lexical").query("the observation", reply) == "the observation"
+    assert make_recall("lexical", trigger="model", tag="mem").query("x", "<mem>lamp</mem>") == "lamp"
+    assert asked.describe()["trigger"] == "model" and "trigger" not in make_recall("lexical").describe()
+    with pytest.raises(KVStreamsError, match="trigger 'policy'"):
+        make_recall("lexical", trigger="policy")
+    with pytest.raises(KVStreamsError, match="recall tag"):
+        make_recall("lexical", trigger="model", tag="<recall>")
+
+
+@pytest.mark.parametrize("asks", [False, True])
+def test_the_policy_asks_for_a_deleted_unit_and_the_replay_stays_exact(qwen, monkeypatch, asks):
+    """Trigger "model": a reply that writes <recall>remember color</recall> (forced here as the reply's
+    first tokens: the tiny models never write it) brings the fact's unit back; without the tag, nothing
+    comes back, however much the observations share with the deleted units."""
+    from kvstreams.compaction.recall import make_recall
+    from kvstreams.episodes import EpisodeRunner
+    from test_episodes import run
+
+    ask = qwen[1].encode("<recall>remember color</recall>", add_special_tokens=False)
+    start_reply = EpisodeRunner._start_reply
+    if asks:
+        monkeypatch.setattr(
+            EpisodeRunner, "_start_reply", lambda self, ep, forced=None: start_reply(self, ep, forced or ask)
+        )
+    recall = make_recall("lexical", min_score=0.0, trigger="model")
+    results, cost = run(qwen, "markovian", "stream", recall=recall)
+    traces = [t for r in results for t in r.traces]
+    assert Agreement.measure(traces, replay_logprobs(qwen[0], traces)).max_abs_diff <= 1e-4
+    if not asks:
+        assert cost.recalls == 0 and all(t.recalls is None for t in traces)
+        return
+    assert cost.recalls >= 2
+    for trace in traces:
+        events = json.loads(trace.metadata["recall_events"])
+        assert events and all(e["query"] == "remember color" for e in events)
+        recalled = [qwen[1].decode(trace.tokens[s:e].tolist()) for s, e in (ev["span"] for ev in events)]
+        assert any("Remember:" in text for text in recalled)  # the fact's unit, by its rare words
+
+
+def test_a_units_own_recall_requests_are_not_matched():
+    from kvstreams.compaction.recall import make_recall
+
+    asked = make_recall("lexical", trigger="model", min_score=0.0)
+    deleted = [
+        "Remember: the color is red.",
+        "<recall>the color</recall><action>ok</action>",
+        "Turn 3. lamp.",
+    ]
+    assert asked.choose([asked.content(d) for d in deleted], "the color") == [0]
+    assert asked.choose(deleted, "the color") == [1]  # matched as written: a tie, and the newest wins

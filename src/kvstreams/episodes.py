@@ -99,6 +99,7 @@ class Episode:
     observations_truncated: int = 0  # observations cut to fit the KV budget (_fit_observation)
     deleted: list[Deleted] = field(default_factory=list)  # what recall may bring back, oldest first
     recalls: list[dict[str, Any]] = field(default_factory=list)  # recall events
+    last_reply: str = ""  # the newest reply to the environment (a model-triggered recall's query)
 
     @property
     def live_tokens(self) -> int:
@@ -323,6 +324,8 @@ class EpisodeRunner:
                 self._compact(ep, reason=Reason.MODEL, bridge_from=marker_end)
                 self._start_reply(ep)
                 return
+        if self.recall is not None and self.recall.trigger == "model":
+            ep.last_reply = self.chat.decode(self.session.tokens(ep.index, reply.start, reply.end))
         messages = self._step_env(ep)
         if messages is None:
             return
@@ -416,13 +419,17 @@ class EpisodeRunner:
         self._start_reply(ep)
 
     def _recall(self, ep: Episode, incoming: list[int]) -> None:
-        """Bring back the deleted units the recall chooses for the observation ``incoming``: their
-        archived K/V (``archive``: the unit is live again where it was) or their tokens fed again as a
-        new unit (``recompute``)."""
+        """Bring back the deleted units the recall chooses for the observation ``incoming`` (or for
+        the query the last reply wrote, trigger "model"): their archived K/V (``archive``: the unit is
+        live again where it was) or their tokens fed again as a new unit (``recompute``)."""
         assert self.session is not None and self.recall is not None
+        query = self.recall.query(self.chat.decode(incoming), ep.last_reply)
+        ep.last_reply = ""  # a query is answered once
+        if query is None:
+            return
         candidates = [d for d in ep.deleted if len(d.tokens) <= self.recall.max_tokens]
-        texts = [self.chat.decode(d.tokens) for d in candidates]
-        for i in self.recall.choose(texts, self.chat.decode(incoming)):
+        texts = [self.recall.content(self.chat.decode(d.tokens)) for d in candidates]
+        for i in self.recall.choose(texts, query):
             d = candidates[i]
             ep.deleted.remove(d)
             if self.recall.how == "archive":
@@ -431,9 +438,8 @@ class EpisodeRunner:
             else:
                 unit = self._add_unit(ep, d.unit.kind, d.tokens)
                 span = [unit.start, unit.end]
-            ep.recalls.append(
-                {"step": ep.turns, "span": span, "tokens": len(d.tokens), "how": self.recall.how}
-            )
+            event = {"step": ep.turns, "span": span, "tokens": len(d.tokens), "how": self.recall.how}
+            ep.recalls.append(event | ({"query": query} if self.recall.trigger == "model" else {}))
 
     def _marker_end(self, ep: Episode, reply: Unit) -> int | None:
         """Trace index right after the marker in the reply, if the model wrote one."""

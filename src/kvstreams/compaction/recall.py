@@ -17,12 +17,21 @@ How a unit comes back is the runner's ``how``:
   through the model at new positions (what a retrieval-augmented pipeline does when it pastes a
   retrieved passage back). Costs their prefill; the trace is an ordinary one.
 
+What the deleted units are matched against is the recall's ``trigger``:
+
+- ``observation`` (default): the new observation, a retrieval step the environment loop takes;
+- ``model``: what the policy wrote inside ``<recall>...</recall>`` (the last such span of its reply;
+  ``tag`` names the element). The policy asks, the units come back before the next observation joins,
+  visible from the next turn: a tool call whose result is the policy's own forgotten context. A reply
+  without the tag recalls nothing. It is an action like any other token of the reply: the learner
+  replays the record, so it is trained on with the same exactness (the tiny models never write the
+  tag by themselves; tests force it, docs/results.md names what teaching it would take).
+
 The KV-streams authors' code sketches restoring archived KV and leaves it unresolved (issue #27
 quotes a 0.14 mismatch KL from their notes). Here the archive path is exact by construction: the
 restored K/V are the sampler's own, and the record says when they were visible. Where we differ from
 the issue's wording: ``recompute`` does not write the tokens back at their *original* positions (one
-trace index holds one K/V, so a recomputed entry is a new entry). A model-triggered ``<recall>``
-action is not implemented: the tiny models never write one.
+trace index holds one K/V, so a recomputed entry is a new entry).
 """
 
 from __future__ import annotations
@@ -36,6 +45,8 @@ from kvstreams.errors import KVStreamsError
 
 RecallHow = Literal["archive", "recompute"]
 RECALL_HOWS = ("archive", "recompute")
+RecallTrigger = Literal["observation", "model"]
+RECALL_TRIGGERS = ("observation", "model")
 
 
 def words(text: str) -> set[str]:
@@ -51,19 +62,47 @@ class Recall:
     max_units: int = 1  # most units recalled for one observation
     max_tokens: int = 96  # a unit longer than this is never recalled (what recall may add to the KV)
     how: RecallHow = "archive"
+    trigger: RecallTrigger = "observation"  # what the deleted units are matched against
+    tag: str = "recall"  # trigger "model": the element the policy writes its query in
 
     def __post_init__(self) -> None:
         if self.max_units < 1 or self.max_tokens < 1:
             raise KVStreamsError(f"{self.name} recall: max_units and max_tokens must be >= 1")
         if self.how not in RECALL_HOWS:
             raise KVStreamsError(f"recall how {self.how!r}: choose one of {', '.join(RECALL_HOWS)}")
+        if self.trigger not in RECALL_TRIGGERS:
+            raise KVStreamsError(
+                f"recall trigger {self.trigger!r}: choose one of {', '.join(RECALL_TRIGGERS)}"
+            )
+        if not re.fullmatch(r"[A-Za-z][\w-]*", self.tag):
+            raise KVStreamsError(
+                f"recall tag {self.tag!r}: a name such as 'recall' (letters, digits, _ or -)"
+            )
+
+    def query(self, observation: str, reply: str) -> str | None:
+        """The text the deleted units are matched against when ``observation`` is about to join the
+        context after ``reply``: the observation, or what the reply wrote inside the tag (its last
+        such span); None: nothing is recalled."""
+        if self.trigger == "observation":
+            return observation
+        asked = self._asked().findall(reply)
+        return asked[-1] if asked else None
+
+    def content(self, unit: str) -> str:
+        """A deleted unit's text as it is matched: without the queries it wrote (a reply that asked for
+        "the color" is not what the next request for "the color" wants back)."""
+        return self._asked().sub(" ", unit) if self.trigger == "model" else unit
+
+    def _asked(self) -> re.Pattern[str]:
+        return re.compile(rf"<{self.tag}>(.*?)</{self.tag}>", flags=re.DOTALL)
 
     def choose(self, deleted: list[str], observation: str) -> list[int]:
         """Indices into ``deleted`` (the deleted units' texts, oldest first) to bring back."""
         raise NotImplementedError
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, **{k: getattr(self, k) for k in ("max_units", "max_tokens", "how")}}
+        keys = ("max_units", "max_tokens", "how") + (("trigger", "tag") if self.trigger == "model" else ())
+        return {"name": self.name, **{k: getattr(self, k) for k in keys}}
 
 
 @dataclass(frozen=True)
