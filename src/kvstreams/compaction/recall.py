@@ -85,19 +85,20 @@ class Recall:
         such span); None: nothing is recalled."""
         if self.trigger == "observation":
             return observation
-        asked = self._asked().findall(reply)
+        asked = self._requests().findall(reply)
         return asked[-1] if asked else None
 
     def content(self, unit: str) -> str:
         """A deleted unit's text as it is matched: without the queries it wrote (a reply that asked for
         "the color" is not what the next request for "the color" wants back)."""
-        return self._asked().sub(" ", unit) if self.trigger == "model" else unit
+        return self._requests().sub(" ", unit) if self.trigger == "model" else unit
 
-    def _asked(self) -> re.Pattern[str]:
+    def _requests(self) -> re.Pattern[str]:
         return re.compile(rf"<{self.tag}>(.*?)</{self.tag}>", flags=re.DOTALL)
 
-    def choose(self, deleted: list[str], observation: str) -> list[int]:
-        """Indices into ``deleted`` (the deleted units' texts, oldest first) to bring back."""
+    def choose(self, deleted: list[str], query: str) -> list[int]:
+        """Indices into ``deleted`` (the deleted units' texts, oldest first) to bring back for
+        ``query`` (the observation, or the policy's request: :meth:`query`)."""
         raise NotImplementedError
 
     def describe(self) -> dict[str, Any]:
@@ -107,20 +108,20 @@ class Recall:
 
 @dataclass(frozen=True)
 class LexicalRecall(Recall):
-    """The deleted units sharing the most informative words with the observation (IDF-weighted
+    """The deleted units sharing the most informative words with the query (IDF-weighted
     overlap, ``log(N / df)`` over the N deleted units), those scoring at least ``min_score``."""
 
     name: ClassVar[str] = "lexical"
     min_score: float = 1.0  # at least one shared word that fewer than N / e deleted units hold
 
-    def choose(self, deleted: list[str], observation: str) -> list[int]:
+    def choose(self, deleted: list[str], query: str) -> list[int]:
         if not deleted:
             return []
         docs = [words(d) for d in deleted]
-        query = words(observation)
-        df = {w: sum(w in d for d in docs) for w in query}
+        asked = words(query)
+        df = {w: sum(w in d for d in docs) for w in asked}
         idf = {w: math.log(len(docs) / n) for w, n in df.items() if n}
-        scores = [sum(idf.get(w, 0.0) for w in query & d) for d in docs]
+        scores = [sum(idf.get(w, 0.0) for w in asked & d) for d in docs]
         ranked = sorted(range(len(docs)), key=lambda i: (-scores[i], -i))  # ties: the newest
         return sorted(i for i in ranked[: self.max_units] if scores[i] >= self.min_score)
 
