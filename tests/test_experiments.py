@@ -469,3 +469,31 @@ def test_recall_rl_quick_trains_with_recall_and_evaluates_without(tmp_path):
     assert spec.arm_config(spec.warm_start_arm(), 0, "m", tmp_path, False).rollout.mode == "full"
     other = load_spec("recurrence-discoverable")  # no [warm_start] set: the first arm's config
     assert other.warm_start_arm() is other.arms[0]
+
+
+def test_an_experiment_on_an_unconverted_pretrained_model_says_what_to_run(tmp_path, monkeypatch):
+    from kvstreams.experiments.runner import warm_start
+
+    monkeypatch.setenv("KVSTREAMS_CACHE", str(tmp_path / "empty-cache"))
+    spec = load_spec("real-grpo")
+    assert spec.model == "smollm2"
+    with pytest.raises(KVStreamsError, match="make real-model"):
+        warm_start(spec, 0, tmp_path / "models", quick=True, log=print)
+    assert warm_start(spec.model_copy(update={"model": "some/dir"}), 0, tmp_path, True, print) == "some/dir"
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_real_grpo_quick_trains_smollm2_and_serves_it_dense(tmp_path):
+    from kvstreams import pretrained
+
+    if not pretrained.cached(pretrained.default_dir("smollm2"), pretrained.PRETRAINED["smollm2"]):
+        pytest.skip("the real model is not converted here (make real-model)")
+    out = tmp_path / "real"
+    assert main(["experiment", "real-grpo", "--quick", "--out", str(out)]) == 0
+    runs = {r["arm"]: r for r in json.loads((out / "results.json").read_text())["runs"]}
+    assert runs["shadow"]["means"]["mismatch/ess"] == pytest.approx(1.0, abs=1e-6)
+    assert (
+        runs["naive"]["means"]["mismatch/k3_kl"] > 1e-4
+    )  # the dense learner did not see the sampler's cache
+    assert all("eval/pass@1" in run["evals"]["dense"] for run in runs.values())
