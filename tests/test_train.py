@@ -4,6 +4,7 @@ checkpoints and resume, configs, SFT."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 
@@ -225,6 +226,36 @@ def test_first_update_ratio_and_mismatch(
         assert metrics["loss/distill"] > 0  # SMD's dense teacher, lambda 0.1 by default
     else:
         assert "loss/distill" not in metrics and metrics["mismatch/ess"] < 1
+
+
+def test_each_terms_gradient_norm_is_measured_and_the_update_is_their_sum(
+    qwen, model_dirs, tmp_path, compacted_batch
+):
+    """train.term_grad_norms: the policy gradient's and SMD distillation's gradient norms are logged
+    apart; the update is their sum, so the total gradient norm is the one backward's (float rounding)."""
+    model, _ = qwen
+    sets = {"rollout.group_size": 5, "loss.distill_coef": 0.5, "optim.grad_clip": 1e9}
+    plain_cfg = small_config(model_dirs["qwen3"], tmp_path, **sets)
+    # advantages set by hand: the tiny model's groups may all score alike, and a zero advantage has no PG
+    items = [
+        dataclasses.replace(item, advantage=a)
+        for item, a in zip(items_of(compacted_batch, plain_cfg), (1.0, -1.0, 0.5, -0.5, 0.25), strict=False)
+    ]
+    plain = learner_step_then_restore(model, plain_cfg, items)
+    cfg = small_config(model_dirs["qwen3"], tmp_path, **sets, **{"train.term_grad_norms": "true"})
+    by_term = learner_step_then_restore(model, cfg, items)
+    assert "grad/pg_norm" not in plain
+    assert by_term["grad/pg_norm"] > 0 and by_term["grad/distill_norm"] > 0
+    assert by_term["grad/norm"] == pytest.approx(plain["grad/norm"], rel=1e-4)
+    # the two parts' norms bound the sum's (triangle inequality), and neither is the whole
+    assert by_term["grad/norm"] <= by_term["grad/pg_norm"] + by_term["grad/distill_norm"] + 1e-6
+    assert abs(by_term["grad/pg_norm"] - by_term["grad/norm"]) > 1e-6
+    with pytest.raises(KVStreamsError, match="one learner process"):
+        small_config(
+            model_dirs["qwen3"],
+            tmp_path,
+            **{"train.term_grad_norms": "true", "cluster.learner_world_size": 2},
+        )
 
 
 @pytest.mark.parametrize("correction", ["tis", "sparse_rl", "sparse_rl_released"])

@@ -161,6 +161,14 @@ class TrainSection(_Section):
         "(flex_attention BlockMask; GPU only for training), blocksparse (visible key blocks only, "
         "recomputing backward; memory linear in T on CPU too); auto: flex on CUDA, blocksparse elsewhere",
     )
+    term_grad_norms: bool = Field(
+        False,
+        description="log each loss term's gradient norm before clipping (grad/pg_norm, grad/distill_norm, "
+        "grad/kl_norm, grad/entropy_norm; mean over the batch's updates) by backpropagating the terms "
+        "one at a time: which term moves the weights (SMD's distillation against the policy gradient). "
+        "Costs a backward per term; the update applied is their sum (the one backward's gradient up to "
+        "float rounding); one learner process only",
+    )
     tensorboard: bool = True
     plots: bool = True
 
@@ -293,6 +301,10 @@ def _check_cluster(cfg: Config) -> None:
     """A distributed run needs Ray, and GPUs on the ranks when the model is on CUDA: said before any
     process starts."""
     c = cfg.cluster
+    if cfg.train.term_grad_norms and c.learner_world_size > 1:
+        raise ValueError(
+            "train.term_grad_norms is measured in one learner process: set learner_world_size = 1"
+        )
     if not c.distributed:
         return
     import importlib.util

@@ -123,6 +123,10 @@ class Learner:
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        # train.term_grad_norms: each loss term's gradient, summed over an update's micro-batches
+        self.term_grads: dict[str, list[torch.Tensor | None]] | None = (
+            {} if cfg.train.term_grad_norms else None
+        )
 
     def _lr_factor(self, step: int) -> float:
         o, total = self.cfg.optim, self.cfg.train.steps * self.cfg.optim.updates_per_batch
@@ -252,6 +256,7 @@ class Learner:
                 logp = self._accumulate(mbs[i], part, ref[i], norm, sums, first=update == 0)
                 if update == 0 and real:
                     first_logp[i] = logp
+            self._add_term_grad_norms(sums)
             grad_norm = _value(
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
             )
@@ -307,7 +312,10 @@ class Learner:
             ),
             coefs,
         )
-        out.total.backward()
+        if self.term_grads is None:
+            out.total.backward()
+        else:
+            self._backward_by_term(out.terms)
         for key, value in out.metrics.items():
             if key == "ratio/mean":  # only the first update's ratio says anything (pi_old = pi there)
                 if first:
@@ -318,6 +326,33 @@ class Learner:
             dev = float((out.ratio - 1)[keep].abs().max()) if bool(keep.any()) else 0.0
             sums["ratio/first_update_max_abs_dev"] = max(sums.get("ratio/first_update_max_abs_dev", 0.0), dev)
         return logp.detach().cpu()
+
+    def _backward_by_term(self, terms: dict[str, torch.Tensor]) -> None:
+        """``total.backward()`` one term at a time: each term's gradient goes into ``.grad`` (their sum
+        is the update's) and into its own accumulator (``train.term_grad_norms``)."""
+        assert self.term_grads is not None
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        names = [name for name, term in terms.items() if term.requires_grad]
+        for j, name in enumerate(names):
+            grads = torch.autograd.grad(
+                terms[name], params, retain_graph=j < len(names) - 1, allow_unused=True
+            )
+            acc = self.term_grads.setdefault(name, [None] * len(params))
+            for k, (p, g) in enumerate(zip(params, grads, strict=True)):
+                if g is None:
+                    continue
+                p.grad = g.clone() if p.grad is None else p.grad.add_(g)
+                acc[k] = g if acc[k] is None else acc[k].add_(g)
+
+    def _add_term_grad_norms(self, sums: dict[str, float]) -> None:
+        """Each term's gradient norm over this update (``grad/NAME_norm``, added to ``sums``, which the
+        step divides by the updates: the mean over updates); the accumulators start again."""
+        if self.term_grads is None:
+            return
+        for name, acc in self.term_grads.items():
+            squares = sum(float(g.double().pow(2).sum()) for g in acc if g is not None)
+            sums[f"grad/{name}_norm"] = sums.get(f"grad/{name}_norm", 0.0) + math.sqrt(squares)
+        self.term_grads = {}
 
 
 def _add(sums: dict[str, float], key: str, value: torch.Tensor) -> None:

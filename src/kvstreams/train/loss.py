@@ -143,6 +143,9 @@ class LossOutputs:
     total: torch.Tensor  # the scalar to backpropagate
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # normalised terms, detached
     ratio: torch.Tensor | None = None  # [N] pi / pi_old, detached
+    terms: dict[str, torch.Tensor] = field(default_factory=dict)  # total's parts with their
+    # coefficients, with grad ("pg", "entropy", "kl", "distill"): train.term_grad_norms backpropagates
+    # them one at a time
 
 
 def objective(x: LossInputs, c: Coefficients) -> LossOutputs:
@@ -152,20 +155,23 @@ def objective(x: LossInputs, c: Coefficients) -> LossOutputs:
     1 up to float error and the clip never fires."""
     pg, ratio, clipped = ppo_clip_loss(x.logp, x.old_logp, x.advantages, c.clip_low, c.clip_high)
     total = x.norm(pg * x.weight, x.seq, x.keep)
-    out = LossOutputs(total, {"loss/pg": total.detach()}, ratio)
+    out = LossOutputs(total, {"loss/pg": total.detach()}, ratio, {"pg": total})
     entropy = x.norm(entropy_from_logits(x.logits), x.seq, x.keep)
     out.metrics["entropy/mean"] = entropy.detach()
     if c.entropy_coef > 0:
-        total = total - c.entropy_coef * entropy
+        out.terms["entropy"] = -c.entropy_coef * entropy
     if x.ref_logp is not None:
         kl = x.norm(kl_k3(x.logp, x.ref_logp), x.seq, x.keep)
         out.metrics["loss/kl"] = kl.detach()
-        total = total + c.kl_coef * kl
+        out.terms["kl"] = c.kl_coef * kl
     if x.teacher_logp is not None:
         distill = x.norm(distillation_kl(x.teacher_logp, x.logits), x.seq, x.keep)
         out.metrics["loss/distill"] = distill.detach()
-        total = total + c.distill_coef * distill
+        out.terms["distill"] = c.distill_coef * distill
     out.metrics["clip/frac"] = x.norm(clipped.float(), x.seq, x.keep).detach()
     out.metrics["ratio/mean"] = x.norm(ratio, x.seq, x.keep).detach()
+    for name, term in out.terms.items():  # in the order above: the same sum as before the terms
+        if name != "pg":
+            total = total + term
     out.total = total
     return out
