@@ -258,6 +258,26 @@ def test_each_terms_gradient_norm_is_measured_and_the_update_is_their_sum(
         )
 
 
+def test_advantaged_distillation_scales_lambda_by_the_share_of_traces_with_an_advantage(
+    qwen, model_dirs, tmp_path, compacted_batch
+):
+    """loss.distill_scaling = "advantaged": 3 of 5 traces have a non-zero advantage, so the distillation
+    term's gradient is 0.6 of the constant lambda's; the policy gradient's is unchanged."""
+    model, _ = qwen
+    sets = {"rollout.group_size": 5, "loss.distill_coef": 0.5, "train.term_grad_norms": "true"}
+    constant_cfg = small_config(model_dirs["qwen3"], tmp_path, **sets)
+    items = [
+        dataclasses.replace(item, advantage=a)
+        for item, a in zip(items_of(compacted_batch, constant_cfg), (1.0, -1.0, 0.0, 0.0, 0.5), strict=False)
+    ]
+    constant = learner_step_then_restore(model, constant_cfg, items)
+    cfg = small_config(model_dirs["qwen3"], tmp_path, **sets, **{"loss.distill_scaling": '"advantaged"'})
+    scaled = learner_step_then_restore(model, cfg, items)
+    assert "loss/distill_scale" not in constant and scaled["loss/distill_scale"] == pytest.approx(0.6)
+    assert scaled["grad/distill_norm"] == pytest.approx(0.6 * constant["grad/distill_norm"], rel=1e-4)
+    assert scaled["grad/pg_norm"] == pytest.approx(constant["grad/pg_norm"], rel=1e-5)
+
+
 @pytest.mark.parametrize("correction", ["tis", "sparse_rl", "sparse_rl_released"])
 def test_importance_weighted_baselines(qwen, model_dirs, tmp_path, compacted_batch, correction):
     model, _ = qwen

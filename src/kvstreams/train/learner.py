@@ -123,6 +123,7 @@ class Learner:
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.distill_scale = 1.0  # the factor on SMD's lambda this step (loss.distill_scaling)
         # train.term_grad_norms: each loss term's gradient, summed over an update's micro-batches
         self.term_grads: dict[str, list[torch.Tensor | None]] | None = (
             {} if cfg.train.term_grad_norms else None
@@ -206,6 +207,8 @@ class Learner:
             return {"tokens/trained": 0.0, "optim/skipped": 1.0, "optim/nonfinite_skipped": 0.0}
         mbs = micro_batches(items, self.cfg.optim.micro_batch_tokens)
         mine = self.group.assign(len(mbs))
+        if getattr(self.loss, "distill_scaling", "constant") == "advantaged":
+            self.distill_scale = sum(i.advantage != 0 for i in items) / len(items)
         start_logp, ref = self._before_update(mbs, mine)
         sampler_logp = torch.cat([mb.sampler_logp() for mb in mbs])
         seq = torch.cat([mb.seq() for mb in mbs])
@@ -231,6 +234,8 @@ class Learner:
         metrics["correction/kept_token_frac"] = norm.tokens / max(1, seq.numel())
         metrics["correction/discarded_seq_frac"] = 1 - norm.seqs / len(items)
         metrics["grad/norm"] = grad_norm
+        if getattr(self.loss, "distill_scaling", "constant") == "advantaged":
+            metrics["loss/distill_scale"] = self.distill_scale
         metrics["optim/nonfinite_skipped"] = float(skipped)
         metrics["optim/lr"] = float(self.scheduler.get_last_lr()[0])
         metrics["tokens/trained"] = float(norm.tokens)
@@ -288,7 +293,7 @@ class Learner:
         device = next(self.model.parameters()).device
         temperatures = self._temperatures(mb).to(device)[:, None]
         teacher = None
-        coefs = losses.Coefficients.of(self.loss)
+        coefs = losses.Coefficients.of(self.loss, self.distill_scale)
         if coefs.distill_coef > 0:  # SMD track B: the dense teacher with the current weights, no grad
             with torch.no_grad():
                 rows, _ = self._rows(self.model, mb, "dense")

@@ -116,10 +116,10 @@ class Coefficients:
     distill_coef: float = 0.0  # SMD's track B; only the shadow correction sets it
 
     @classmethod
-    def of(cls, loss) -> Coefficients:
-        return cls(
-            loss.clip_low, loss.clip_high, loss.entropy_coef, loss.kl_coef, getattr(loss, "distill_coef", 0.0)
-        )
+    def of(cls, loss, distill_scale: float = 1.0) -> Coefficients:
+        """``distill_scale``: the factor on lambda (the shadow correction's ``distill_scaling``)."""
+        distill = getattr(loss, "distill_coef", 0.0) * distill_scale
+        return cls(loss.clip_low, loss.clip_high, loss.entropy_coef, loss.kl_coef, distill)
 
 
 @dataclass

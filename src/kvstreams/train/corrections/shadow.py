@@ -13,6 +13,12 @@ step start. The two are equal up to float error on synchronous rollouts (measure
 tokens, so the same ratio also corrects staleness.
 
 Defaults: lambda = 0.1 (the paper's setting).
+
+``distill_scaling = "advantaged"`` is ours, not SMD's: lambda is multiplied by the batch's share of
+traces with a non-zero advantage. GRPO groups whose rewards are all equal give no policy gradient
+but full distillation, so on a saturated batch the distillation alone moves the weights: the cause
+docs/results.md (section 4, ``distill-collapse``) gives for lambda 0.1 collapsing a small policy.
+Scaling keeps the two tracks' ratio where the policy gradient acts.
 """
 
 from __future__ import annotations
@@ -29,6 +35,12 @@ class ShadowLoss(LossBase):
     type: Literal["shadow"] = "shadow"
     distill_coef: float = Field(
         0.1, ge=0, description="lambda of SMD's dense-to-shadow KL track (0: shadow alignment only)"
+    )
+    distill_scaling: Literal["constant", "advantaged"] = Field(
+        "constant",
+        description="constant: lambda as given (SMD); advantaged: lambda x the batch's share of traces "
+        "with a non-zero advantage (logged as loss/distill_scale), so saturated GRPO groups, which "
+        "give no policy gradient, give no distillation either",
     )
 
     def weigh(self, b: Behaviour) -> Weighting:
