@@ -160,6 +160,10 @@ COLUMNS = (
     "kv/saving",
     f"kv/peak_entries {MAX_OVER}",
     "loss/distill",
+    "loss/distill_scale",
+    "grad/pg_norm",
+    "grad/distill_norm",
+    "grad/kl_norm",
     "entropy/mean",
     "minutes",
 )

@@ -34,7 +34,11 @@ MEAN_KEYS = (  # averaged over a run's steps
     "kv/saving",
     "loss/pg",
     "loss/distill",
+    "loss/distill_scale",
     "grad/norm",
+    "grad/pg_norm",  # train.term_grad_norms: each term's own gradient norm
+    "grad/distill_norm",
+    "grad/kl_norm",
     "entropy/mean",
     "response/length_mean",
 )
