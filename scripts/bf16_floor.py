@@ -1,10 +1,11 @@
-"""Issue #29's batch-invariance question, first step: is the sampler/learner floor (nothing evicted)
-the linear layers' doing? A matrix multiply on this CPU gives a row different bits depending on how
-many rows share the call (decode: the batch; the learner: the whole trace); computing every
-``nn.Linear`` in fixed, zero-padded 64-row tiles makes a row's result independent of the call
-(checked bit for bit at SmolLM2's shapes, fp32 and bf16, 1 and 2 threads). This script samples 4
-sequences with the engine (full KV), replays them, and prints the largest |Δ log p|, plain and with
-tiled linears on both sides, per dtype:
+"""Issue #29's batch-invariance question, first steps: is the sampler/learner floor (nothing evicted)
+the linear layers' or the attention's doing? A matrix multiply on this CPU gives a row different bits
+depending on how many rows share the call (decode: the batch; the learner: the whole trace);
+computing every ``nn.Linear`` in fixed, zero-padded 64-row tiles makes a row's result independent of
+the call (checked bit for bit here at SmolLM2's shapes, first line of the output). The fused
+attention computes in the model's dtype; ``fp32_sdpa`` computes it in float32 on both sides. This
+script samples 4 sequences with the engine (full KV, 48 new tokens), replays them, and prints the
+largest |Δ log p| per variant and dtype (docs/benchmarks.md, "bf16 floor"):
 
     make real-model && python scripts/bf16_floor.py float32 bfloat16
 """
@@ -37,6 +38,27 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     flat = torch.cat([flat, flat.new_zeros(padded - rows, flat.shape[1])])
     out = torch.cat([_LINEAR(flat[i : i + TILE], weight, bias) for i in range(0, padded, TILE)])[:rows]
     return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+_SDPA = F.scaled_dot_product_attention
+
+
+def fp32_sdpa(query, key, value, *args, **kwargs):
+    """``F.scaled_dot_product_attention`` with its math in float32 (inputs upcast exactly, the output
+    rounded back to their dtype): every fused attention of the engine and the replay goes through it.
+    The engine's unfused path (``attend_slots``, for policies that need attention statistics) already
+    computes in float32."""
+    out = _SDPA(query.float(), key.float(), value.float(), *args, **kwargs)
+    return out.to(query.dtype)
+
+
+@contextlib.contextmanager
+def attention_as(function):
+    F.scaled_dot_product_attention = function
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = _SDPA
 
 
 @contextlib.contextmanager
@@ -72,14 +94,22 @@ def main(dtypes: list[str]) -> None:
     params = SamplingParams(max_new_tokens=48, seed=0, stop_token_ids=())
     for dtype in dtypes:
         model, tokenizer = load_model(model_directory("smollm2"), dtype=dtype)
-        for label, function in (("plain", _LINEAR), ("tiled linear", tiled_linear)):
-            with linear_as(function):
+        variants = (
+            ("plain", _LINEAR, None),
+            ("tiled linear", tiled_linear, None),
+            ("fp32 attention", _LINEAR, fp32_sdpa),
+            ("tiled + fp32 attention", tiled_linear, fp32_sdpa),
+        )
+        for label, function, attention in variants:
+            if attention is not None and dtype == "float32":
+                continue
+            with linear_as(function), attention_as(attention) if attention else contextlib.nullcontext():
                 t = time.perf_counter()
                 traces = RolloutEngine(model, tokenizer).generate(prompts, params)
                 sampled = time.perf_counter() - t
                 agreement = Agreement.measure(traces, replay_logprobs(model, traces))
             print(
-                f"{dtype:9s} {label:13s} max |Δ log p| {agreement.max_abs_diff:.3g} "
+                f"{dtype:9s} {label:22s} max |Δ log p| {agreement.max_abs_diff:.3g} "
                 f"(sampling {sampled:.1f} s)",
                 flush=True,
             )
