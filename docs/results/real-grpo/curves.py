@@ -8,7 +8,9 @@ and start_dense.json. Prints the table and writes docs/img/real_grpo.png.
 Statistics: eval/pass@1 is the mean reward over 64 held-out tasks x 4 samples (T = 1; ± its 95%
 interval over tasks, as logged); "train reward, steps a-b" is the mean over those steps of the batch's
 mean reward (8 episodes a step); k3 KL and ESS are the per-step sampler-vs-learner figures
-(mismatch/k3_kl, mismatch/ess), averaged over steps.
+(mismatch/k3_kl, mismatch/ess), averaged over steps (ESS also its smallest step); "max abs log-ratio"
+is the largest |log pi_learner - log pi_sampler| of any sampled token at any step; "first step" is the
+first step whose train reward, averaged over it and the 9 before, reaches 0.9.
 """
 
 from __future__ import annotations
@@ -44,11 +46,25 @@ def mean(rows: list[dict], key: str, lo: int = 1, hi: int = 10**9) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
+def first_step_at(rows: list[dict], level: float = 0.9, window: int = 10) -> int | None:
+    """The first step whose mean train reward over the last ``window`` steps reaches ``level``."""
+    reward = [(r["step"], r["reward/mean"]) for r in rows if "reward/mean" in r]
+    for i in range(window - 1, len(reward)):
+        if sum(v for _, v in reward[i - window + 1 : i + 1]) / window >= level:
+            return reward[i][0]
+    return None
+
+
+def extreme(rows: list[dict], key: str, pick) -> float:
+    return pick(r[key] for r in rows if key in r)
+
+
 def table(logs: dict[str, list[dict]], evals: dict[str, dict], dense_start: dict) -> str:
     out = [
         "| arm | steps | pass@1 before | pass@1 after | gain | greedy before -> after | dense pass@1 after "
-        f"(start {dense_start[PASS]:.3f}) | train reward, steps 1-20 | 81-100 | k3 KL | ESS |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        f"(start {dense_start[PASS]:.3f}) | train reward, steps 1-20 | 81-100 | first step, 10-step mean >= 0.9 "
+        "| k3 KL | ESS (min) | max abs log-ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for arm, rows in logs.items():
         run = evals.get(arm, {})
@@ -63,7 +79,8 @@ def table(logs: dict[str, list[dict]], evals: dict[str, dict], dense_start: dict
         out.append(
             f"| {arm} | {max(r['step'] for r in rows)} | {iv(start)} | {iv(final)} | {gain} | {greedy} | "
             f"{iv(dense)} | {mean(rows, 'reward/mean', 1, 20):.3f} | {mean(rows, 'reward/mean', 81, 100):.3f} "
-            f"| {mean(rows, 'mismatch/k3_kl'):.2g} | {mean(rows, 'mismatch/ess'):.3f} |"
+            f"| {first_step_at(rows)} | {mean(rows, 'mismatch/k3_kl'):.2g} | {mean(rows, 'mismatch/ess'):.3f} "
+            f"({extreme(rows, 'mismatch/ess', min):.3f}) | {extreme(rows, 'mismatch/abs_logprob_diff_max', max):.2g} |"
         )
     return "\n".join(out)
 
