@@ -207,7 +207,8 @@ class Learner:
             return {"tokens/trained": 0.0, "optim/skipped": 1.0, "optim/nonfinite_skipped": 0.0}
         mbs = micro_batches(items, self.cfg.optim.micro_batch_tokens)
         mine = self.group.assign(len(mbs))
-        if getattr(self.loss, "distill_scaling", "constant") == "advantaged":
+        advantaged = getattr(self.loss, "distill_scaling", "constant") == "advantaged"
+        if advantaged:
             self.distill_scale = sum(i.advantage != 0 for i in items) / len(items)
         start_logp, ref = self._before_update(mbs, mine)
         sampler_logp = torch.cat([mb.sampler_logp() for mb in mbs])
@@ -234,7 +235,7 @@ class Learner:
         metrics["correction/kept_token_frac"] = norm.tokens / max(1, seq.numel())
         metrics["correction/discarded_seq_frac"] = 1 - norm.seqs / len(items)
         metrics["grad/norm"] = grad_norm
-        if getattr(self.loss, "distill_scaling", "constant") == "advantaged":
+        if advantaged:
             metrics["loss/distill_scale"] = self.distill_scale
         metrics["optim/nonfinite_skipped"] = float(skipped)
         metrics["optim/lr"] = float(self.scheduler.get_last_lr()[0])

@@ -170,8 +170,5 @@ def objective(x: LossInputs, c: Coefficients) -> LossOutputs:
         out.terms["distill"] = c.distill_coef * distill
     out.metrics["clip/frac"] = x.norm(clipped.float(), x.seq, x.keep).detach()
     out.metrics["ratio/mean"] = x.norm(ratio, x.seq, x.keep).detach()
-    for name, term in out.terms.items():  # in the order above: the same sum as before the terms
-        if name != "pg":
-            total = total + term
-    out.total = total
+    out.total = sum(out.terms.values())  # pg first, then the others in the order above
     return out
