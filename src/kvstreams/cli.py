@@ -148,7 +148,11 @@ def _add_episode_args(p: argparse.ArgumentParser, repeat_strategy: bool = False)
         choices=["lexical"],
         help="bring deleted units back when an observation asks for them (lexical: IDF word overlap)",
     )
-    _pairs(g, "--recall-arg", "recall option: how=archive|recompute, min_score, max_units, max_tokens")
+    _pairs(
+        g,
+        "--recall-arg",
+        "recall option: how=archive|recompute, trigger=observation|model, tag, min_score, max_units, max_tokens",
+    )
     g.add_argument("--block-size", type=_positive(int), default=1, help="pad turns to blocks of this size")
     g.add_argument("--max-reply-tokens", type=_positive(int), default=64, help="longest model reply per turn")
 
