@@ -184,9 +184,7 @@ def _add_model_commands(sub) -> None:
     p.add_argument("--hidden", type=_positive(int), default=128)
     p.add_argument("--heads", type=_positive(int), default=4)
     p.add_argument(
-        "--kv-heads",
-        type=_positive(int),
-        help="default: heads for llama, heads/2 (GQA) otherwise",
+        "--kv-heads", type=_positive(int), help="default: heads for llama, heads/2 (GQA) otherwise"
     )
     p.add_argument("--vocab", type=_positive(int), default=512)
     p.add_argument("--seed", type=int, default=0)
