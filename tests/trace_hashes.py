@@ -1,7 +1,11 @@
 """Trace fingerprints of every sampler setting that existed before recall and the one-sampler work:
-each compaction strategy in stream and re-prefill mode, full mode, Markovian with SnapKV inside, and
-every single-turn policy (tiny qwen3, fixed seeds). A refactor of the samplers must leave them
-bit-for-bit unchanged: ``tests/test_trace_hashes.py`` compares them with ``tests/data/trace_hashes.json``.
+each compaction strategy in stream and re-prefill mode, full mode, compression inside episodes (an
+entry count and a share), every single-turn policy (tiny qwen3, fixed seeds), and the single-turn
+batch's other paths (added before the one-session refactor): per-sequence share budgets, ``budget_of =
+"context"``, a seeded random policy, rows that stop at different lengths and leave the batch, and
+weights updated by ``on_step`` in the middle of a generation (these also hash the batch's
+``GenerationStats``). A refactor of the samplers must leave them bit-for-bit unchanged:
+``tests/test_trace_hashes.py`` compares them with ``tests/data/trace_hashes.json``.
 
 Floating point makes the fingerprints specific to the torch version and CPU capability they were
 recorded on; elsewhere the test skips and says so. Re-record (after a change that is *meant* to alter
@@ -15,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -35,8 +40,8 @@ def environment() -> dict[str, str]:
     return {"torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability()}
 
 
-def fingerprint(traces) -> str:
-    """sha256 over every tensor and every metadata value but the model's path."""
+def fingerprint(traces, extra: str = "") -> str:
+    """sha256 over every tensor and every metadata value but the model's path (and ``extra``)."""
     d = hashlib.sha256()
     for t in traces:
         for name in _TENSORS:
@@ -44,15 +49,20 @@ def fingerprint(traces) -> str:
             d.update(name.encode())
             d.update(x.contiguous().view(torch.uint8).numpy().tobytes() if x is not None else b"-")
         d.update(repr(sorted((k, v) for k, v in t.metadata.items() if k != "model")).encode())
+    d.update(extra.encode())
     return d.hexdigest()[:16]
 
 
 def fingerprints(model, tokenizer) -> dict[str, str]:
+    return {**_episode_fingerprints(model, tokenizer), **_single_turn_fingerprints(model, tokenizer)}
+
+
+def _episode_fingerprints(model, tokenizer) -> dict[str, str]:
     from kvstreams.compaction import STRATEGIES, make_strategy
-    from kvstreams.engine import RolloutEngine, SamplingParams
+    from kvstreams.engine import SamplingParams
     from kvstreams.envs import make_env
     from kvstreams.episodes import EpisodeRunner
-    from kvstreams.policies import POLICIES, make_policy
+    from kvstreams.policies import make_policy
 
     def episodes(strategy, mode, policy=None):
         runner = EpisodeRunner(
@@ -69,12 +79,56 @@ def fingerprints(model, tokenizer) -> dict[str, str]:
     out["markovian+snapkv"] = episodes(
         make_strategy("markovian"), "stream", make_policy("snapkv", budget=48, interval=4)
     )
+    out["full+h2o@0.5"] = episodes(None, "full", make_policy("h2o", budget=0.5, interval=4))
+    out["sliding_window+random@0.6"] = episodes(
+        make_strategy("sliding_window"), "stream", make_policy("random", budget=0.6, interval=4)
+    )
+    return out
+
+
+def _single_turn_fingerprints(model, tokenizer) -> dict[str, str]:
+    from kvstreams.engine import RolloutEngine, SamplingParams
+    from kvstreams.policies import POLICIES, make_policy
+
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(5, 500, (n,), generator=g).tolist() for n in (40, 70, 25)]
     params = SamplingParams(max_new_tokens=60, seed=1, stop_token_ids=())
+    out = {}
     for name in sorted(POLICIES):
         policy = make_policy(name, budget=48, interval=4) if name != "full" else make_policy("full")
         out[f"policy/{name}"] = fingerprint(RolloutEngine(model, tokenizer, policy).generate(prompts, params))
+
+    def run(policy, params, prompts=prompts, on_step=None):
+        engine = RolloutEngine(model, tokenizer, policy)
+        traces = engine.generate(prompts, params, on_step=on_step)
+        return fingerprint(traces, repr(engine.last_stats))
+
+    shares = {
+        "snapkv@0.5": make_policy("snapkv", budget=0.5, interval=4),
+        "h2o@0.6": make_policy("h2o", budget=0.6, interval=4),
+        "streaming_llm@0.3": make_policy("streaming_llm", budget=0.3, interval=2),
+        "knorm@0.5/context": make_policy("knorm", budget=0.5, interval=4, budget_of="context"),
+        "snapkv@0.6/context": make_policy("snapkv", budget=0.6, interval=4, window=8, budget_of="context"),
+        "random@0.5": make_policy("random", budget=0.5, interval=4),
+    }
+    for label, policy in shares.items():
+        out[f"policy/{label}"] = run(policy, params)
+    out["policy/random@48/seed5"] = run(make_policy("random", budget=48, interval=4), replace(params, seed=5))
+    out["policy/random@0.5/seed5"] = run(shares["random@0.5"], replace(params, seed=5))
+    # rows sample a stop token at different steps (or run to max_new_tokens) and leave the batch
+    stopping = [*prompts, torch.randint(5, 500, (55,), generator=g).tolist()]
+    stops = SamplingParams(max_new_tokens=40, seed=3, stop_token_ids=tuple(range(5, 25)))
+    for label in ("full", "h2o@48", "snapkv@0.5", "knorm@0.5/context", "random@0.5"):
+        policy = make_policy("h2o", budget=48, interval=4) if label == "h2o@48" else shares.get(label)
+        out[f"stop/{label}"] = run(policy or make_policy("full"), stops, stopping)
+
+    def new_weights(step, engine):  # the same weights, a new version from the 11th token on
+        if step == 10:
+            engine.update_weights(model.state_dict(), 7)
+
+    for label in ("full", "snapkv@0.5"):
+        out[f"on_step/{label}"] = run(shares.get(label) or make_policy("full"), params, on_step=new_weights)
+    out["on_step+stop/h2o@0.6"] = run(shares["h2o@0.6"], stops, stopping, new_weights)
     return out
 
 
