@@ -98,6 +98,15 @@ def quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
+def check_attention(model) -> None:
+    """Refuse a model whose attention does not hand its layers to kvstreams' contexts (the sampler's
+    steps would never run: it must be loaded with :func:`load_model`)."""
+    if getattr(model.config, "_attn_implementation", None) != "kvstreams":
+        raise KVStreamsError(
+            "the model must be loaded with kvstreams.models.load_model (kvstreams attention)"
+        )
+
+
 def check_positions(model, longest: int, what: str) -> None:
     """Refuse, before sampling, sequences longer than the model's positions (RoPE tables end there)."""
     limit = getattr(model.config, "max_position_embeddings", None)

@@ -31,7 +31,7 @@ from kvstreams.chat import ChatFormat
 from kvstreams.compaction import CompactionStrategy, make_strategy
 from kvstreams.compaction.recall import Recall, make_recall
 from kvstreams.cost import RolloutCost
-from kvstreams.engine import RolloutEngine
+from kvstreams.engine import StreamSession
 from kvstreams.envs import Environment, is_single_turn
 from kvstreams.envs.base import failure
 from kvstreams.episodes import CompactionMode, EpisodeResult, EpisodeRunner
@@ -119,11 +119,9 @@ def _single_turn(
     """The environments' prompts in one batch, one reply each, scored by the environment; an
     environment that raises scores 0 and says why (the batch goes on)."""
     chat = ChatFormat(tokenizer)
-    policy = spec.policy or make_policy("full")
-    engine = RolloutEngine(
-        model, tokenizer, policy, model_name=spec.model_name, weights_version=weights_version
-    )
-    traces = engine.generate(env_prompts(chat, envs, seeds), params, progress=progress, on_step=on_step)
+    prompts = env_prompts(chat, envs, seeds)
+    session = StreamSession.for_prompts(model, prompts, params, spec.policy, weights_version)
+    traces = session.generate(tokenizer, spec.model_name, progress=progress, on_step=on_step)
     results = []
     for i, (env, trace, seed) in enumerate(zip(envs, traces, seeds, strict=True)):
         try:
@@ -135,9 +133,9 @@ def _single_turn(
         episodes=len(traces),
         tokens_forwarded=sum(len(t) - 1 for t in traces),
         tokens_trace=sum(len(t) for t in traces),
-        kv_peak_bytes=engine.last_stats.kv_bytes_allocated,
+        kv_peak_bytes=session.stats.kv_bytes_allocated,
         # the most entries a query attended to (per layer and head), as the episode runner counts it;
-        # the engine's slot capacity is only what was allocated
+        # the session's slot capacity is only what was allocated
         kv_peak_entries=max(int(t.visible_counts().max()) for t in traces),
         reward_mean=sum(r.reward for r in results) / len(results),
     )

@@ -57,6 +57,85 @@ def choose_kept(
 
 
 @dataclass
+class DecodeRows:
+    """Per-row state of a single-turn batch's sequences still being decoded (rows leave when they finish)."""
+
+    seq: torch.Tensor  # [B] original sequence number
+    query_index: torch.Tensor  # [B] trace index of the token fed at this step
+    budget: torch.Tensor  # [B]
+    target: torch.Tensor  # [B] entries kept by an eviction round
+    n_live: torch.Tensor  # [B] live entries per (layer, head) before this step's write
+
+    def select(self, rows: torch.Tensor) -> None:
+        for name in ("seq", "query_index", "budget", "target", "n_live"):
+            setattr(self, name, getattr(self, name).index_select(0, rows))
+
+
+class StepSchedule:
+    """When eviction rounds fire and how many entries they keep, per sequence.
+
+    - A budget per sequence (a fractional budget, ``budget_of = "sequence"``, the default; SMD's
+      "retaining only 50% of the KV tokens per sequence"): a round after the dense prefill and then
+      every ``interval`` decode steps keeps ceil(share x the sequence's tokens so far) entries (at
+      least what the policy pins), so a reply that stops early is compressed at the nominal share.
+    - A fixed budget (an entry count, or a share of prompt + max new tokens with ``budget_of =
+      "context"``): a round whenever the cache holds ``budget`` entries keeps ``budget - interval``.
+
+    ``batch.budget`` is what policies see as the budget: the entries kept plus ``interval``.
+    """
+
+    def __init__(self, policy: EvictionPolicy, contexts: list[int], device) -> None:
+        self.policy, self.device = policy, device
+        self.per_sequence = policy.per_sequence
+        if self.per_sequence:
+            kept = policy.kept_at(torch.tensor(contexts))
+            self.budgets = [int(k) + policy.interval for k in kept]
+        else:
+            self.budgets = [policy.resolve_budget(c) for c in contexts]
+            if policy.evicts():
+                for b in set(self.budgets):
+                    policy.check_budget(b)
+        self.capacity = max(min(b, c) for b, c in zip(self.budgets, contexts, strict=True))
+
+    def start(self, prompt_lens: list[int]) -> tuple[DecodeRows, torch.Tensor, torch.Tensor]:
+        """The batch state before prefill, which rows the prefill round evicts, and where each row's
+        observation window starts among the prompt's queries."""
+        policy, n_live = self.policy, torch.tensor(prompt_lens, device=self.device)
+        if self.per_sequence:
+            target = policy.kept_at(n_live).to(self.device)
+            budget = target + policy.interval
+            evicting = n_live > target
+            next_round = torch.where(evicting, n_live, n_live + policy.interval)
+        else:
+            budget = torch.tensor([self.budgets[i] for i in range(len(prompt_lens))], device=self.device)
+            target = budget - policy.interval
+            evicting = (n_live >= budget) if policy.evicts() else torch.zeros_like(budget, dtype=torch.bool)
+            next_round = torch.where(evicting, n_live, budget)
+        batch = DecodeRows(
+            torch.arange(len(prompt_lens), device=self.device), n_live - 1, budget, target, n_live
+        )
+        return batch, evicting, next_round - policy.window_size
+
+    def decode(
+        self, batch: DecodeRows, decode_no: int, after_write: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For the decode step number ``decode_no`` (1, 2, ...): which rows evict after attending, which
+        rows' query is in the observation window, and which rows start a new window after it."""
+        policy = self.policy
+        if not policy.evicts():
+            none = torch.zeros_like(after_write, dtype=torch.bool)
+            return none, none, none
+        if self.per_sequence:
+            batch.target = policy.kept_at(batch.query_index + 1).to(self.device)
+            batch.budget = batch.target + policy.interval
+            is_round = torch.full_like(after_write, decode_no % policy.interval == 0, dtype=torch.bool)
+            in_window = torch.full_like(is_round, (-decode_no) % policy.interval < policy.window_size)
+            return is_round & (after_write > batch.target), in_window, is_round
+        evicting = after_write >= batch.budget
+        return evicting, (batch.budget - after_write) < policy.window_size, evicting
+
+
+@dataclass
 class RoundPlan:
     """For one forward, per batch row: whether a round fires after it, and what it keeps."""
 

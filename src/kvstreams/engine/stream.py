@@ -1,114 +1,54 @@
-"""A persistent batch of KV streams for multi-turn episodes.
+"""The one sampling session: a batch of KV streams over one :class:`~kvstreams.engine.cache.SlotCache`,
+single-turn or multi-turn.
 
-Each row holds one episode's trace: tokens are appended to the row's record (sampled by the model
-or given by the environment) and fed through the model on the next :meth:`StreamSession.forward`,
-as one chunk per row. Chunks attend to the row's live cache slots and causally among themselves;
-their K/V go into free slots. :meth:`StreamSession.evict` deletes a span of the trace in place
-(every layer and head), recording ``death`` = the next query's index; the rest of the cache, and
-every retained entry's original K/V and position, is untouched. :meth:`StreamSession.restart` is
-the standard pipeline's alternative: the row's trace ends and a new one starts from given tokens,
-which are prefilled again with positions from 0. Given an eviction ``policy``, the session also
-compresses: after a forward, a row whose cache reached the budget drops entries per layer and KV head
-(:mod:`kvstreams.engine.compression`), recorded in the same ``death`` record. A span deleted with
-``archive=True`` can come back: :meth:`StreamSession.recall` puts its archived K/V back into the cache
-(same values, same positions), visible again from the next query; the trace records the new
-interval (``recalls``), so the learner replays the recall exactly as it replays an eviction.
+Each row holds one sequence's trace: tokens are appended to the row's
+:class:`~kvstreams.engine.record.Record` (sampled by the model or given by the environment), and
+every eviction, whoever decides it, is written to the cache's one visibility record (``death``, and
+``recalls`` after a recall); :meth:`StreamSession.trace` and :meth:`StreamSession.generate` join the
+two in a :class:`~kvstreams.trace.Trace`. The forwards run inside the model through the attention
+contexts of :mod:`kvstreams.engine.steps`.
+
+Multi-turn episodes (driven by :class:`~kvstreams.episodes.EpisodeRunner`): appended tokens are fed
+on the next :meth:`StreamSession.forward`, as one chunk per row that attends to the row's live slots
+and causally within itself. :meth:`StreamSession.evict` deletes a span of the trace in place (every
+layer and head), recording ``death`` = the next query's index; the rest of the cache, and every
+retained entry's original K/V and position, is untouched. :meth:`StreamSession.restart` is the
+standard pipeline's alternative: the row's trace ends and a new one starts from given tokens, which
+are prefilled again with positions from 0. Given an eviction ``policy``, the session also compresses:
+after a forward, a row whose cache reached its :class:`~kvstreams.engine.compression.StreamBudget`
+drops entries per layer and KV head. A span deleted with ``archive=True`` can come back:
+:meth:`StreamSession.recall` puts its archived K/V back into the cache (same values, same positions),
+visible again from the next query; the trace records the new interval (``recalls``), so the learner
+replays the recall exactly as it replays an eviction.
+
+Single-turn batches (:meth:`StreamSession.for_prompts`, then :meth:`StreamSession.generate`): one
+prompt per row, left-padded and prefilled densely, then one sampled token per row and decode step;
+the policy's rounds follow the batch's per-step
+:class:`~kvstreams.engine.compression.StepSchedule` (budgets known in advance, which also size the
+cache), and rows that finish leave the batch and the cache. The two schedules stay two values
+(:mod:`kvstreams.engine.compression` says how their rounds differ): folding one into the other would
+change the rounds, and so the traces, of one of the two.
 """
 
 from __future__ import annotations
 
+import json
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
-from kvstreams.attention import AttentionContext
 from kvstreams.engine.cache import SlotCache
-from kvstreams.engine.compression import RoundPlan, StreamBudget
-from kvstreams.engine.ops import attend_slots, attend_slots_fused
+from kvstreams.engine.compression import DecodeRows, RoundPlan, StepSchedule, StreamBudget
 from kvstreams.engine.record import Record
-from kvstreams.models import model_shape
-from kvstreams.policies import EntryView, EvictionPolicy
-from kvstreams.sampling import at_least_float32
+from kvstreams.engine.steps import ChunkStep, DecodeStep, PrefillStep, profiled
+from kvstreams.errors import KVStreamsError
+from kvstreams.models import check_attention, model_shape
+from kvstreams.policies import EvictionPolicy, make_policy
+from kvstreams.sampling import SamplingParams, at_least_float32, sample
 from kvstreams.trace import Trace
 from kvstreams.visibility import evicted_before
-
-
-class ChunkStep(AttentionContext):
-    """Attention context: write each row's chunk, then attend over live slots up to each query; under
-    compression, a round may follow (per layer, the policy's scores over the keys at hand)."""
-
-    def __init__(
-        self,
-        cache: SlotCache,
-        write_index: torch.Tensor,
-        query_index: torch.Tensor,
-        rows: torch.Tensor | None = None,
-        compression: StreamBudget | None = None,
-        plan: RoundPlan | None = None,
-        generator: torch.Generator | None = None,
-    ) -> None:
-        self.cache = cache
-        self.write_index = write_index  # [b, C] trace index of each chunk column, -1 for padding
-        self.query_index = query_index  # [b, C] same, with padding columns seeing everything live
-        self.rows = rows  # the cache rows the b batch rows are (None: all of them, in order)
-        self.compression, self.plan, self.generator = compression, plan, generator
-
-    def attend(
-        self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
-    ) -> torch.Tensor:
-        cache = self.cache
-        if self.compression is not None:
-            return self._attend_compressing(layer, query, key, value, scale)
-        if self.rows is None:
-            cache.write_chunk(layer, key, value, self.write_index)
-            keys, values, index = cache.keys[layer], cache.values[layer], cache.index[layer]
-        else:
-            keys, values, index = cache.write_rows(layer, key, value, self.write_index, self.rows)
-        visible = (index[:, :, None, :] >= 0) & (index[:, :, None, :] <= self.query_index[:, None, :, None])
-        return attend_slots_fused(query, keys, values, visible, scale)
-
-    def _attend_compressing(
-        self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
-    ) -> torch.Tensor:
-        cache, plan, rows = self.cache, self.plan, self.rows
-        assert self.compression is not None and plan is not None and rows is not None
-        keys, values, index = cache.write_rows(layer, key, value, self.write_index, rows)
-        visible = (index[:, :, None, :] >= 0) & (index[:, :, None, :] <= self.query_index[:, None, :, None])
-        cumulative = window = None
-        if cache.cumulative is None and cache.window is None:
-            out = attend_slots_fused(query, keys, values, visible, scale)
-        else:  # the policy scores by attention received: count it per entry
-            out, probs = attend_slots(query, keys, values, visible, scale)
-            received = probs.sum(dim=2)  # [b, H_kv, C, S], summed over the KV group's query heads
-            fed = self.write_index >= 0
-            counted = {"cumulative": fed, "window": fed & (self.write_index >= plan.window_from[:, None])}
-            for name in ("cumulative", "window"):
-                stat = getattr(cache, name)
-                if stat is not None:
-                    add = (received * counted[name][:, None, :, None]).sum(dim=2)
-                    stat[layer].index_add_(0, rows, add)
-            cumulative = None if cache.cumulative is None else cache.cumulative[layer].index_select(0, rows)
-            window = None if cache.window is None else cache.window[layer].index_select(0, rows)
-        if plan.any:
-            view = EntryView(
-                layer=layer,
-                keys=keys,
-                index=index,
-                query_index=plan.query_index,
-                budget=plan.budget,
-                attn_cumulative=cumulative,
-                attn_window=window,
-                generator=self.generator,
-            )
-            keep = self.compression.keep(view, plan)
-            cache.evict_rows(layer, (index >= 0) & ~keep, rows, evicted_before(plan.query_index + 1))
-            if cache.window is not None:  # a new observation window starts after a round
-                reset = (
-                    cache.window[layer].index_select(0, rows).masked_fill(plan.evicting[:, None, None], 0.0)
-                )
-                cache.window[layer].index_copy_(0, rows, reset)
-        return out
 
 
 @dataclass
@@ -124,7 +64,22 @@ class SessionCounters:
     chunk_seconds: float = 0.0  # forwards that fed a longer chunk to some row (prefill, re-prefill)
 
 
+@dataclass
+class GenerationStats:
+    """What one single-turn :meth:`StreamSession.generate` did."""
+
+    sequences: int = 0
+    tokens_generated: int = 0
+    tokens_prefilled: int = 0
+    eviction_events: list[int] = field(default_factory=list)  # per sequence
+    budgets: list[int] = field(default_factory=list)
+    kv_capacity: int = 0  # slots per (sequence, layer, KV head)
+    kv_bytes_allocated: int = 0
+
+
 class StreamSession:
+    """One batch of sequences sampled over one :class:`SlotCache` (see the module's docstring)."""
+
     def __init__(
         self,
         model,
@@ -134,21 +89,29 @@ class StreamSession:
         weights_version: int = 0,
         policy: EvictionPolicy | None = None,
         seed: int = 0,
+        schedule: StepSchedule | None = None,
     ) -> None:
+        """A multi-turn stream of ``n_rows`` rows (``policy`` compressing under a :class:`StreamBudget`),
+        or, given the per-step ``schedule`` of its policy, a single-turn batch (:meth:`for_prompts`)."""
         self.model = model
         self.shape = model_shape(model)
         device = next(model.parameters()).device
         self.device = device
-        # compression inside the stream: the policy's rounds after each forward (None: no compression)
-        self.compression = StreamBudget(policy) if policy is not None else None
-        self.generator = torch.Generator(device=device).manual_seed(seed)  # for random policies
+        self.policy = policy
+        # when the policy's rounds fire: per decode step of a single-turn batch (``schedule``), or after
+        # each forward of the stream (``compression``); both None: no compression
+        self.schedule = schedule
+        self.compression = StreamBudget(policy) if policy is not None and schedule is None else None
+        self.generator = torch.Generator(device=device).manual_seed(seed)  # sampling, random policies
         track = policy.needs if policy is not None else frozenset()
         self.cache = SlotCache(
             self.shape, n_rows, initial_capacity, initial_length, model.dtype, device, track
         )
         self.records = [Record() for _ in range(n_rows)]
         self.weights_version = weights_version  # the weights version; appended tokens record it
-        self.counters = SessionCounters(kv_peak_bytes=self.cache.kv_bytes)
+        self.counters = SessionCounters(kv_peak_bytes=self.cache.kv_bytes)  # the stream's forwards
+        self.sampling: SamplingParams | None = None  # a single-turn batch's, until it is generated
+        self.stats = GenerationStats()  # what the single-turn generate() did
 
     # --- the record ------------------------------------------------------------------------------
     def append(
@@ -292,3 +255,199 @@ class StreamSession:
         cache = self.cache
         recalls = None if cache.recalls is None else cache.recalls[row]
         return self.records[row].to_trace(cache.death[row], meta, recalls)
+
+    # --- a single-turn batch ---------------------------------------------------------------------
+    @classmethod
+    def for_prompts(
+        cls,
+        model,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        policy: EvictionPolicy | None = None,
+        weights_version: int = 0,
+    ) -> StreamSession:
+        """A single-turn batch: one row per prompt, one continuation each to sample with ``params``
+        (:meth:`generate`). ``policy`` (default: none) evicts per decode step under the batch's
+        :class:`StepSchedule`, whose budgets (from prompt + ``params.max_new_tokens``) size the cache;
+        ``params.seed`` seeds the draws and random policies."""
+        check_attention(model)
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise KVStreamsError("every prompt needs at least one token")
+        policy = policy or make_policy("full")
+        contexts = [len(p) + params.max_new_tokens for p in prompts]
+        schedule = StepSchedule(policy, contexts, next(model.parameters()).device)
+        session = cls(
+            model,
+            len(prompts),
+            schedule.capacity,
+            max(contexts),
+            weights_version,
+            policy,
+            params.seed,
+            schedule,
+        )
+        for row, prompt in enumerate(prompts):
+            session.append(row, list(prompt))
+        session.sampling = params
+        return session
+
+    @torch.no_grad()
+    def generate(
+        self,
+        tokenizer=None,
+        model_name: str = "",
+        progress: Callable[[int], None] | None = None,
+        on_step: Callable[[int, StreamSession], None] | None = None,
+    ) -> list[Trace]:
+        """Sample the batch made by :meth:`for_prompts`, once: one :class:`Trace` per prompt, in order.
+
+        A row ends at a stop token (``params.stop_token_ids``, else the ``tokenizer``'s end of sequence)
+        or at ``max_new_tokens``, and leaves the batch and the cache. ``progress(1)`` is called after
+        every decode step (for progress bars); ``on_step(n, session)`` too, where it may call
+        :meth:`update_weights` (asynchronous training). What it did is in :attr:`stats`.
+        """
+        params, schedule, self.sampling = self.sampling, self.schedule, None
+        if params is None or schedule is None:
+            raise KVStreamsError("generate() samples a batch made by StreamSession.for_prompts, once")
+        G, stop_ids = params.max_new_tokens, _stop_ids(params, tokenizer)
+        prompt_lens = [len(rec) for rec in self.records]
+        kv_bytes_allocated = self.cache.kv_bytes  # the peak: rows are only ever removed
+        rows, logits, evicting = self._prefill(getattr(tokenizer, "pad_token_id", None) or 0)
+        events = evicting.long().clone()  # eviction rounds per row so far
+        left = _Finished(len(prompt_lens))
+        for step_no in range(G):
+            with profiled("kvstreams::sample"):
+                new_tokens, new_lp = sample(logits, params, self.generator)
+            done = self._add_sampled(rows.seq, new_tokens, new_lp, stop_ids, step_no == G - 1)
+            if progress is not None:
+                progress(1)
+            if on_step is not None:  # may update the weights: the next tokens record the new version
+                on_step(step_no + 1, self)
+            if done:  # finished sequences leave the batch; their record is complete
+                left.add(done, rows.seq, self.cache.death, events)
+                if len(done) == len(rows.seq):
+                    break
+                new_tokens, events = self._drop_rows(done, rows, new_tokens, events)
+            logits, evicting = self._decode(new_tokens, step_no + 1, rows)
+            events += evicting.long()
+        self.stats = GenerationStats(
+            sequences=len(prompt_lens),
+            tokens_generated=sum(len(r) - p for r, p in zip(self.records, prompt_lens, strict=True)),
+            tokens_prefilled=sum(prompt_lens),
+            eviction_events=left.events,
+            budgets=schedule.budgets,
+            kv_capacity=schedule.capacity,
+            kv_bytes_allocated=kv_bytes_allocated,
+        )
+        model_name = model_name or str(getattr(self.model.config, "_name_or_path", ""))
+        return [
+            self._batch_trace(i, left.deaths[i], prompt_lens[i], params, model_name)
+            for i in range(len(prompt_lens))
+        ]
+
+    def _prefill(self, pad_id: int) -> tuple[DecodeRows, torch.Tensor, torch.Tensor]:
+        """Forward the left-padded prompts (an eviction round where a prompt exceeds its budget); the
+        rows' decoding state, the last position's logits and which rows evicted."""
+        assert self.schedule is not None and self.policy is not None
+        prompts = [rec.tokens for rec in self.records]
+        rows, evicting, window_from = self.schedule.start([len(p) for p in prompts])
+        ids, col_index = _left_padded(prompts, pad_id, self.device)
+        with PrefillStep(self.policy, self.cache, col_index, rows, evicting, window_from, self.generator):
+            logits = self.model(
+                input_ids=ids, position_ids=col_index.clamp(min=0), logits_to_keep=1, use_cache=False
+            ).logits[:, -1]
+        rows.n_live = torch.where(evicting, rows.target, rows.n_live)
+        return rows, logits, evicting
+
+    def _decode(
+        self, new_tokens: torch.Tensor, step: int, rows: DecodeRows
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode the tokens just sampled: their K/V join the cache, maybe an eviction round follows;
+        the next logits and which rows evicted."""
+        assert self.schedule is not None and self.policy is not None
+        rows.query_index = rows.query_index + 1
+        after_write = rows.n_live + 1
+        evicting, in_window, new_window = self.schedule.decode(rows, step, after_write)
+        with DecodeStep(self.policy, self.cache, rows, evicting, in_window, new_window, self.generator):
+            logits = self.model(
+                input_ids=new_tokens[:, None], position_ids=rows.query_index[:, None], use_cache=False
+            ).logits[:, -1]
+        rows.n_live = torch.where(evicting, rows.target, after_write)
+        return logits, evicting
+
+    def _add_sampled(
+        self, seqs: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor, stop_ids: set[int], last: bool
+    ) -> list[int]:
+        """Append each row's sampled token to its sequence's record; returns the rows that finished (a
+        stop token or ``last``)."""
+        done = []
+        for row, (seq, tok, lp) in enumerate(
+            zip(seqs.tolist(), tokens.tolist(), logprobs.tolist(), strict=True)
+        ):
+            self.append(seq, [tok], sampled=True, loss=True, logprobs=[lp])
+            if tok in stop_ids or last:
+                done.append(row)
+        return done
+
+    def _drop_rows(
+        self, done: list[int], rows: DecodeRows, *per_row: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        """Remove the ``done`` rows from the batch and the cache (and from each of ``per_row``, returned)."""
+        keep = torch.tensor([r for r in range(len(rows.seq)) if r not in set(done)], device=rows.seq.device)
+        self.cache.select_rows(keep)
+        rows.select(keep)
+        return tuple(t.index_select(0, keep) for t in per_row)
+
+    def _batch_trace(
+        self, i: int, death: torch.Tensor | None, prompt_len: int, params: SamplingParams, model_name: str
+    ) -> Trace:
+        assert death is not None and self.policy is not None and self.schedule is not None
+        rec, policy, budget = self.records[i], self.policy, self.schedule.budgets[i]
+        return rec.to_trace(
+            death,
+            {
+                "temperature": str(params.temperature),
+                "top_p": str(params.top_p),
+                "top_k": str(params.top_k),
+                "policy": policy.name,
+                "policy_config": json.dumps(policy.describe()),
+                "budget": str(budget if policy.evicts() else len(rec)),
+                "mode": "stream",
+                "model": model_name,
+                "prompt_len": str(prompt_len),
+                "seed": str(params.seed),
+            },
+        )
+
+
+class _Finished:
+    """What a single-turn batch keeps of each sequence (by its row in the session) once it finished
+    and left the cache: its death record and how many eviction rounds it had."""
+
+    def __init__(self, n: int) -> None:
+        self.deaths: list[torch.Tensor | None] = [None] * n
+        self.events = [0] * n
+
+    def add(self, rows: list[int], seqs: torch.Tensor, death: torch.Tensor, events: torch.Tensor) -> None:
+        for row in rows:
+            seq = int(seqs[row])
+            self.deaths[seq] = death[row].clone()
+            self.events[seq] = int(events[row])
+
+
+def _stop_ids(params: SamplingParams, tokenizer) -> set[int]:
+    if params.stop_token_ids is not None:
+        return set(params.stop_token_ids)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return {eos} if eos is not None else set()
+
+
+def _left_padded(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompts as one left-padded batch: ids [n, P] and each column's trace index (-1: padding)."""
+    n, P = len(prompts), max(len(p) for p in prompts)
+    ids = torch.full((n, P), pad_id, dtype=torch.long, device=device)
+    col_index = torch.full((n, P), -1, dtype=torch.long, device=device)
+    for b, prompt in enumerate(prompts):
+        ids[b, P - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long, device=device)
+        col_index[b, P - len(prompt) :] = torch.arange(len(prompt), device=device)
+    return ids, col_index
