@@ -5,19 +5,24 @@
 config's ``[rollout]`` section by :meth:`SamplerSpec.from_rollout` (training, evaluation, experiments)
 or from the CLI's flags, so no caller decides on its own which engine runs. :func:`sample_episodes`
 runs the episodes and gives one :class:`~kvstreams.episodes.EpisodeResult` per environment and the
-batch's :class:`~kvstreams.cost.RolloutCost`, whatever ran them:
+batch's :class:`~kvstreams.cost.RolloutCost`. Both kinds run on the one session class,
+:class:`~kvstreams.engine.stream.StreamSession`:
 
-- a single-turn environment (``gsm8k``, ``recall``, ``bandit``): its prompts in one batch through
-  :class:`~kvstreams.engine.RolloutEngine` (per-step eviction by the policy), one trace per episode,
-  scored by the environment (:mod:`kvstreams.single_turn`);
-- a multi-turn one: :class:`~kvstreams.episodes.EpisodeRunner` over a
-  :class:`~kvstreams.engine.stream.StreamSession` (compaction in ``stream`` / ``reprefill`` /
-  ``full`` mode, the policy compressing inside, recall).
+- a single-turn environment (``gsm8k``, ``recall``, ``bandit``): its prompts in one batch
+  (:meth:`StreamSession.for_prompts` and :meth:`StreamSession.generate`: dense prefill, per-step
+  eviction by the policy), one trace per episode, scored by the environment
+  (:mod:`kvstreams.single_turn`);
+- a multi-turn one: :class:`~kvstreams.episodes.EpisodeRunner`, the environment loop, over a session
+  of streams (compaction in ``stream`` / ``reprefill`` / ``full`` mode, the policy compressing inside,
+  recall).
 
-Both engines write the same :class:`~kvstreams.engine.record.Record` and the same visibility record in
-a :class:`~kvstreams.engine.cache.SlotCache`, and both draw with :mod:`kvstreams.sampling`. They are
-still two classes (issue "one sampler": the single-turn engine's dense prefill and per-step schedule
-are not yet a mode of the stream session).
+Either way the session writes one :class:`~kvstreams.engine.record.Record` per sequence and one
+visibility record in its :class:`~kvstreams.engine.cache.SlotCache`, and draws with
+:mod:`kvstreams.sampling`. What still differs is the policy's schedule (a single-turn batch's
+per-step :class:`~kvstreams.engine.compression.StepSchedule`, a stream's
+:class:`~kvstreams.engine.compression.StreamBudget`; that module says why they stay two) and who
+drives the session (:meth:`StreamSession.generate` samples a single-turn batch itself; the episode
+runner samples replies and feeds them through :meth:`StreamSession.forward`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
 """Single-turn episodes: an environment's prompt, one sampled reply, the environment's reward.
 
-Single-turn environments (``gsm8k``, ``recall``) and runs with a KV compression policy are sampled by
-the rollout engine, not the episode runner: ``kvstreams rollout`` and ``verify``, training rollouts
-(:mod:`kvstreams.train.rollouts`) and the benchmarks all do it. This is the one place that says what
-such an episode's prompt is and how its reply is scored, so they cannot drift apart.
+Single-turn environments (``gsm8k``, ``recall``) and runs with a KV compression policy are sampled as
+one batch of prompts by the session (:meth:`~kvstreams.engine.stream.StreamSession.generate`, or
+:class:`~kvstreams.engine.RolloutEngine` in front of it), not by the episode runner: ``kvstreams
+rollout`` and ``verify``, training rollouts (:mod:`kvstreams.train.rollouts`) and the benchmarks all
+do it. This is the one place that says what such an episode's prompt is and how its reply is scored,
+so they cannot drift apart.
 """
 
 from __future__ import annotations

@@ -1,30 +1,45 @@
-"""Compression inside multi-turn streams: an eviction policy running under a budget in a
-:class:`~kvstreams.engine.stream.StreamSession`, alongside (or without) compaction.
+"""Compression: when an eviction policy's rounds fire and how many entries they keep, in either kind of
+:class:`~kvstreams.engine.stream.StreamSession` batch.
 
-The policy only *scores* entries (:meth:`EvictionPolicy.score`, per layer and KV head, as in
-:class:`~kvstreams.engine.engine.RolloutEngine`); :class:`StreamBudget` says *when* a round fires and
-*how many* entries it keeps -- the split kvpress makes between a press's ``score`` and its
+The policy only *scores* entries (:meth:`EvictionPolicy.score`, per layer and KV head);
+:func:`choose_kept` keeps the best of them, and a schedule value says *when* a round fires and *how
+many* entries it keeps -- the split kvpress makes between a press's ``score`` and its
 ``DecodingPress`` wrapper. Rounds run after a forward's attention, per layer, inside the forward (the
-keys are at hand there); every entry a round drops gets its ``death`` = the next query's index, the
-same record compaction writes, so the learner's replay is unchanged: a trace whose episode was both
-compressed and compacted is replayed exactly like either alone.
+keys are at hand there, :mod:`kvstreams.engine.steps`); every entry a round drops gets its ``death`` =
+the next query's index, the same record compaction writes, so the learner's replay is the same for
+every source of eviction: a trace whose episode was both compressed and compacted is replayed
+exactly like either alone.
 
-How the rounds differ from single-turn :class:`~kvstreams.engine.engine.Schedule`:
+There are two schedule values, one per kind of batch, and the session holds the one its batch needs:
 
-- A fixed budget (an entry count per layer and KV head): a round fires after any forward that leaves
-  a row holding ``budget`` or more live entries and keeps ``budget - interval`` of them. A forward
-  feeds a whole chunk at once (an observation, or a reply's tail): its queries attend to everything
-  live plus the chunk, then the round drops the surplus -- the single-turn engine's dense prefill,
-  per chunk. So the KV held between forwards stays below ``budget``, and a chunk adds its length
-  transiently.
-- A share (a float, ``budget_of = "sequence"``): a round fires once the live entries reach
-  ``kept + interval``, where ``kept = ceil(share x tokens fed so far)``, and keeps ``kept``.
-  ``budget_of = "context"`` has no meaning here (a multi-turn episode's length is not known in
-  advance) and is refused.
-- SnapKV's observation window: the queries whose attention counts are the ``window_size`` queries
-  before the round, *predicted* from the budget before each forward (a decode step cannot know
-  whether a later chunk will trigger the round sooner). A chunk that overshoots the predicted round
-  counts its own last ``window_size`` queries, plus any earlier ones already counted.
+- :class:`StepSchedule`, a single-turn batch (:meth:`StreamSession.for_prompts`): every context length
+  (prompt + max new tokens) is known in advance, so budgets may be a share of it (``budget_of =
+  "context"``) and size the cache. A share of the sequence (``budget_of = "sequence"``) fires a round
+  after the dense prefill and then every ``interval`` decode steps, counted in steps; a fixed budget
+  fires when a decode step's write fills the cache; SnapKV's window is the exact ``window_size``
+  queries before the round (the last ones of the prompt at prefill).
+- :class:`StreamBudget`, a multi-turn stream (rounds after each :meth:`StreamSession.forward`, whose
+  chunks may be long):
+
+  - A fixed budget (an entry count per layer and KV head): a round fires after any forward that
+    leaves a row holding ``budget`` or more live entries and keeps ``budget - interval`` of them. A
+    forward feeds a whole chunk at once (an observation, or a reply's tail): its queries attend to
+    everything live plus the chunk, then the round drops the surplus -- the single-turn prefill's
+    order, per chunk. So the KV held between forwards stays below ``budget``, and a chunk adds its
+    length transiently.
+  - A share (a float, ``budget_of = "sequence"``): a round fires once the live entries reach
+    ``kept + interval``, where ``kept = ceil(share x tokens fed so far)``, and keeps ``kept``.
+    ``budget_of = "context"`` has no meaning here (a multi-turn episode's length is not known in
+    advance) and is refused.
+  - SnapKV's observation window: the queries whose attention counts are the ``window_size`` queries
+    before the round, *predicted* from the budget before each forward (a decode step cannot know
+    whether a later chunk will trigger the round sooner). A chunk that overshoots the predicted round
+    counts its own last ``window_size`` queries, plus any earlier ones already counted.
+
+They are not one value because their rounds differ (a share's rounds counted in decode steps vs in
+live entries; the window exact vs predicted; the prompt through a dense prefill vs through slots):
+either one's rules applied to the other's batches would sample other traces, and the traces of
+every existing setting are kept bit-for-bit (``tests/test_trace_hashes.py``).
 """
 
 from __future__ import annotations
@@ -72,7 +87,7 @@ class DecodeRows:
 
 
 class StepSchedule:
-    """When eviction rounds fire and how many entries they keep, per sequence.
+    """When eviction rounds fire and how many entries they keep in a single-turn batch, per sequence.
 
     - A budget per sequence (a fractional budget, ``budget_of = "sequence"``, the default; SMD's
       "retaining only 50% of the KV tokens per sequence"): a round after the dense prefill and then
@@ -151,7 +166,7 @@ class RoundPlan:
 
 
 class StreamBudget:
-    """When rounds fire and how many entries they keep, for a policy in a stream session."""
+    """When rounds fire and how many entries they keep, for a policy in a multi-turn stream."""
 
     def __init__(self, policy: EvictionPolicy) -> None:
         if not policy.evicts():

@@ -1,4 +1,4 @@
-"""The attention contexts of the session's forwards, one per kind (:class:`~kvstreams.engine.stream.StreamSession`).
+"""Attention contexts, one per kind of forward of a :class:`~kvstreams.engine.stream.StreamSession`.
 
 Each runs inside the model's own forward, per layer (:mod:`kvstreams.attention`), over the session's
 :class:`~kvstreams.engine.cache.SlotCache`, and applies the eviction round its schedule asked for:

@@ -26,8 +26,8 @@ from kvstreams.train.config import Config
 
 
 class WeightsTarget(Protocol):
-    """What holds the sampling weights mid-rollout (a :class:`StreamSession` or a
-    :class:`RolloutEngine`): new weights load between decode steps, the KV cache is kept."""
+    """What holds the sampling weights mid-rollout (the running :class:`StreamSession`, single-turn
+    or multi-turn): new weights load between decode steps, the KV cache is kept."""
 
     def update_weights(self, state_dict: dict, version: int) -> None: ...
 
