@@ -128,8 +128,11 @@ bench-real: real-model
 gpu-check: real-model
 	$(BIN)/python scripts/gpu_check.py --model smollm2 --out runs/gpu-check
 
+# two pytest workers, one file each at a time (a file's fixtures are built once per worker; Ray's
+# cluster tests stay in one process); TEST_WORKERS=0 runs in this process
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow

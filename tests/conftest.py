@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,10 @@ import torch
 
 from kvstreams.models import load_model
 from kvstreams.tiny import make_tiny_model
+
+# `make test` runs two pytest workers (pytest-xdist) on a 2-core machine: one torch thread each
+THREADS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
+torch.set_num_threads(THREADS)
 
 
 @pytest.fixture(scope="session")
@@ -32,7 +37,7 @@ def two_steps(model_dirs, tmp_path_factory):
 @pytest.fixture(scope="session")
 def models(model_dirs):
     """arch -> (model, tokenizer); qwen3 is GQA with q/k norm, llama is multi-head."""
-    torch.set_num_threads(2)
+    torch.set_num_threads(THREADS)
     return {arch: load_model(path) for arch, path in model_dirs.items()}
 
 
