@@ -37,6 +37,12 @@ def load():
     return {(r["arm"], r["seed"]): r for r in runs}, {int(k): v[KEY] for k, v in dense_start.items()}
 
 
+def smd_long_distill(dense_start) -> dict[int, float]:
+    """Per seed: the dense change of smd-long's lambda-0.1 arm (section 1b's collapse)."""
+    smd = json.loads(gzip.decompress((HERE.parent / "smd-long" / "results.json.gz").read_bytes()))["runs"]
+    return {r["seed"]: r["evals"]["dense"][KEY] - dense_start[r["seed"]] for r in smd if r["arm"] == "shadow-distill"}
+
+
 def fmt(values) -> str:
     if len(values) == 1:
         return f"{values[0]:+.3f}"
@@ -125,6 +131,24 @@ def main() -> None:
                 f"{spearman(sh, zv):+.3f}, dense change {change[arm][s]:+.3f}, "
                 f"mean zero-variance share {sum(zv) / len(zv):.3f}"
             )
+    post_hoc(by, change, dense_start)
+
+
+def post_hoc(by, change, dense_start) -> None:
+    """Comparisons chosen after seeing the results (labelled so in docs/results.md)."""
+    print("\n## post hoc: paired against distill (same seed)")
+    for arm in ("distill-advantaged", "distill-kl", "distill-lr"):
+        seeds = sorted(s for a, s in by if a == arm and ("distill", s) in by)
+        dense = [change[arm][s] - change["distill"][s] for s in seeds]
+        print(f"{arm} - distill, seeds {seeds}: dense change {fmt(dense)} ({per_seed(dense)})")
+    before = smd_long_distill(dense_start)
+    seeds = sorted(s for s in before if s in change["distill"])
+    print(
+        "\n## post hoc: lambda 0.1 in smd-long (section 1b) and here, same seeds and settings "
+        "(only the gradient's float rounding differs)"
+    )
+    print(f"smd-long shadow-distill dense change: {per_seed([before[s] for s in seeds])}")
+    print(f"distill-remedies distill dense change: {per_seed([change['distill'][s] for s in seeds])}")
 
 
 if __name__ == "__main__":
