@@ -124,6 +124,8 @@ def _learn(
     """One learner update on a batch of rollouts; returns the step's metrics (rollout, off-policy,
     loss and optimiser figures). Environment failures are reported (once each) before the update."""
     metrics = rollout_metrics(batch, seconds)
+    if cfg.rollout.curriculum:  # which task this batch was sampled on (0, 1, ...; the last: the target)
+        metrics["curriculum/stage"] = float(cfg.rollout.stage_of(step))
     items, off_policy = learner_items(
         batch,
         step,

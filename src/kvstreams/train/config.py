@@ -48,6 +48,28 @@ class ModelSection(_Section):
         return value
 
 
+class CurriculumStage(_Section):
+    """``[[rollout.curriculum]]``: an easier task for the first training steps. Stages run in order
+    from step 0, each for its ``steps``; then the rollout settings themselves (the target task), which
+    every evaluation uses from the start. Only the task changes: the mode, the policy and the learner
+    stay as configured."""
+
+    steps: int = Field(ge=1, description="training steps this stage lasts")
+    env_args: dict[str, Any] = Field(
+        default_factory=dict, description="merged over rollout.env_args for this stage (e.g. fewer turns)"
+    )
+    strategy_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="merged over rollout.strategy_args (e.g. a smaller token_budget, so that a short "
+        "episode still compacts)",
+    )
+
+    @field_validator("strategy_args")
+    @classmethod
+    def _token_budget(cls, args: dict[str, Any]) -> dict[str, Any]:
+        return RolloutSection._token_budget(args)
+
+
 class RolloutSection(_Section):
     env: str = "memory"
     env_args: dict[str, Any] = Field(default_factory=dict)
@@ -69,6 +91,32 @@ class RolloutSection(_Section):
     max_reply_tokens: int = Field(48, ge=1)
     max_new_tokens: int = Field(256, ge=1, description="single-turn environments")
     block_size: int = Field(1, ge=1)
+    curriculum: list[CurriculumStage] = Field(
+        default_factory=list, description="easier tasks first (CurriculumStage); evaluation: the target"
+    )
+
+    def stage_of(self, step: int) -> int:
+        """The curriculum stage training step ``step`` is in (``len(curriculum)``: the target task)."""
+        end = 0
+        for i, stage in enumerate(self.curriculum):
+            end += stage.steps
+            if step < end:
+                return i
+        return len(self.curriculum)
+
+    def at_step(self, step: int | None) -> RolloutSection:
+        """The settings training step ``step`` samples with: its curriculum stage's task, or these
+        (``None``: an evaluation, always the target task)."""
+        if step is None or (i := self.stage_of(step)) == len(self.curriculum):
+            return self
+        stage = self.curriculum[i]
+        return self.model_copy(
+            update={
+                "env_args": {**self.env_args, **stage.env_args},
+                "strategy_args": {**self.strategy_args, **stage.strategy_args},
+                "curriculum": [],
+            }
+        )
 
     @field_validator("strategy_args")
     @classmethod
@@ -274,11 +322,33 @@ class Config(_Section):
                 "(use 'sdpa' or 'blocksparse' on CPU; `kvstreams verify --backend flex` checks the forward there)"
             )
         check_rollout(r)
+        _check_curriculum(self)
         if self.train.asynchronous and r.mode == "reprefill":
             raise ValueError("asynchronous training is implemented for stream and full modes")
         _check_cluster(self)
         _check_seed_streams(self)
         return self
+
+
+def _check_curriculum(cfg: Config) -> None:
+    """Every stage's task builds, and the stages leave training steps for the target task."""
+    stages = cfg.rollout.curriculum
+    if not stages:
+        return
+    if sum(s.steps for s in stages) >= cfg.train.steps:
+        raise ValueError(
+            f"rollout.curriculum: its stages last {sum(s.steps for s in stages)} steps of the run's "
+            f"{cfg.train.steps}: none would be left for the target task (train.steps)"
+        )
+    if cfg.rollout.strategy is None and any(s.strategy_args for s in stages):
+        raise ValueError("rollout.curriculum: a stage sets strategy_args but rollout.strategy is none")
+    start = 0
+    for i, stage in enumerate(stages):
+        try:
+            _check_builds(cfg.rollout.at_step(start))
+        except ValueError as err:
+            raise ValueError(f"rollout.curriculum[{i}]: {err}") from None
+        start += stage.steps
 
 
 def _check_seed_streams(cfg: Config) -> None:

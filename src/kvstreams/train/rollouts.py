@@ -84,6 +84,7 @@ class EpisodePlan:
     greedy: bool = False
     mode: str = "stream"
     held_out: bool = False
+    step: int | None = None  # the training step (its curriculum stage's task); None: an evaluation
 
     def __len__(self) -> int:
         return len(self.env_seeds)
@@ -106,7 +107,7 @@ def training_plan(cfg: Config, step: int) -> EpisodePlan:
     env_seeds = [base + p for p in range(r.prompts_per_step) for _ in range(r.group_size)]
     sample_seeds = [cfg.train.seed * 7_919 + step * 100_003 + i for i in range(len(env_seeds))]
     groups = [p for p in range(r.prompts_per_step) for _ in range(r.group_size)]
-    return EpisodePlan(env_seeds, sample_seeds, groups, mode=r.mode)
+    return EpisodePlan(env_seeds, sample_seeds, groups, mode=r.mode, step=step)
 
 
 def evaluation_plan(cfg: Config, n: int, greedy: bool, samples: int = 1) -> EpisodePlan:
@@ -167,8 +168,9 @@ class RolloutSource:
         on_step: Callable[[int, WeightsTarget], None] | None = None,
         progress: Callable[[int], None] | None = None,
     ) -> RolloutBatch:
-        """The episodes of ``plan``, in its order."""
-        r = self.cfg.rollout
+        """The episodes of ``plan``, in its order, on its step's task (a curriculum stage's, or the
+        target)."""
+        r = self.cfg.rollout.at_step(plan.step)
         envs = [make_env(r.env, **r.env_args) for _ in plan.env_seeds]
         if plan.held_out:
             envs = [env.held_out() for env in envs]
