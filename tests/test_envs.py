@@ -271,3 +271,26 @@ def test_memory_copy_rate_is_checked():
             make_env("memory", expert_carries_state=False, expert_copy_rate=bad)
     with pytest.raises(KVStreamsError, match="expert_carries_state"):
         make_env("memory", expert_copy_rate=0.5)
+
+
+def test_memory_fact_turn_moves_the_facts_closer_to_the_question():
+    late = make_env("memory", n_turns=4, n_facts=1, noise_words=8, fact_turn=3)
+    first = make_env("memory", n_turns=4, n_facts=1, noise_words=8)
+    for env in (late, first):
+        env.reset(7)
+    value = late.facts["color"]
+    assert first.facts == late.facts  # the same facts; only their turn moves
+    seen, states = [], []
+    for _ in range(late.n_turns):
+        reply = late.expert_reply()
+        states.append(reply)
+        seen.append(late.step(reply).messages[0]["content"])
+    assert [f"is {value}" in obs for obs in seen] == [False, False, True, False]
+    assert seen[-1].startswith("Final question")
+    # the carrying expert cannot know the facts before they are stated
+    assert value not in states[1] and value not in states[2] and value in states[3]
+    assert late.step(late.expert_reply()).reward == 1.0
+    with pytest.raises(KVStreamsError, match="fact_turn"):
+        make_env("memory", n_turns=4, fact_turn=4)
+    with pytest.raises(KVStreamsError, match="fact_turn"):
+        make_env("memory", n_turns=4, fact_turn=0)

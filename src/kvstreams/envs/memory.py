@@ -9,7 +9,9 @@ Besides the reward, the final step reports ``carried``: whether the ``<state>`` 
 reply before the question held every fact's value (what survives a compaction that deletes the
 fact's observation; logged as ``env/carried`` in training and ``eval/env/carried`` in evaluation).
 
-Knobs: ``n_facts`` (how much to remember), ``n_turns`` (distractor turns before the question),
+Knobs: ``n_facts`` (how much to remember), ``n_turns`` (the question's turn), ``fact_turn`` (the
+facts' turn, default 1: the distractor turns are the others before the question; a later
+``fact_turn`` shortens the gap to carry, a curriculum's easier stage),
 ``noise_words`` (length of each distractor observation), ``kinds`` (which facts, e.g. ``["number"]``:
 a two-digit number a guess gets right 1 time in 90, where a colour pays 1 in 6; default the first
 ``n_facts`` of color, room, name, code, number). Reward: the fraction of facts answered
@@ -49,6 +51,7 @@ class MemoryEnv(Environment):
 
     n_facts: int = 2
     n_turns: int = 10
+    fact_turn: int = 1  # the observation stating the facts; 1 <= fact_turn < n_turns
     noise_words: int = 24
     max_turns: int = 32
     expert_carries_state: bool = True
@@ -62,7 +65,12 @@ class MemoryEnv(Environment):
     _carried: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.require_at_least(n_facts=1, n_turns=1, noise_words=0, max_turns=1)
+        self.require_at_least(n_facts=1, n_turns=1, noise_words=0, max_turns=1, fact_turn=1)
+        if self.n_turns > 1 and self.fact_turn >= self.n_turns:
+            raise KVStreamsError(
+                f"environment 'memory': fact_turn ({self.fact_turn}) must come before the question "
+                f"(n_turns = {self.n_turns})"
+            )
         if not 0.0 <= self.expert_copy_rate <= 1.0:
             raise KVStreamsError(
                 f"environment 'memory': expert_copy_rate must be in [0, 1], got {self.expert_copy_rate}"
@@ -116,7 +124,7 @@ class MemoryEnv(Environment):
         ]
 
     def _observation(self) -> str:
-        if self._turn == 1:
+        if self._turn == self.fact_turn:
             facts = ". ".join(f"the {k} is {v}" for k, v in self._facts.items())
             return f"Remember: {facts}. Reply <action>ok</action>."
         if self._turn >= self.n_turns:
@@ -144,7 +152,8 @@ class MemoryEnv(Environment):
     def expert_reply(self) -> str:
         if self._turn == 0:  # nothing to remember yet
             return "<state></state><action>ok</action>"
-        state = self.state_text() if self.expert_carries_state else self._copied
+        known = self._turn >= self.fact_turn  # the facts are stated at fact_turn, not before
+        state = (self.state_text() if known else "") if self.expert_carries_state else self._copied
         if self._turn >= self.n_turns:
             return f"<state>{state}</state><action>{self.state_text()}</action>"
         return f"<state>{state}</state><action>ok</action>"
