@@ -294,3 +294,23 @@ def test_memory_fact_turn_moves_the_facts_closer_to_the_question():
         make_env("memory", n_turns=4, fact_turn=4)
     with pytest.raises(KVStreamsError, match="fact_turn"):
         make_env("memory", n_turns=4, fact_turn=0)
+
+
+def test_memory_fact_turns_draw_the_facts_turn_per_episode():
+    env = make_env("memory", n_turns=4, n_facts=1, noise_words=8, fact_turns=[1, 2, 3])
+    at = []
+    for seed in range(60):
+        env.reset(seed)
+        value = env.facts["color"]
+        seen = [env.step(env.expert_reply()).messages[0]["content"] for _ in range(4)]
+        assert seen[-1].startswith("Final question")
+        (turn,) = [i + 1 for i, obs in enumerate(seen) if f"is {value}" in obs]
+        at.append(turn)
+        assert env.step(env.expert_reply()).reward == 1.0
+    assert set(at) == {1, 2, 3}
+    again = make_env("memory", n_turns=4, n_facts=1, noise_words=8, fact_turns=[1, 2, 3])
+    again.reset(5)
+    env.reset(5)
+    assert [again.step("x").messages for _ in range(3)] == [env.step("y").messages for _ in range(3)]
+    with pytest.raises(KVStreamsError, match="fact_turn"):
+        make_env("memory", n_turns=4, fact_turns=[1, 4])

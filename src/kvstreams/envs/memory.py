@@ -11,7 +11,8 @@ fact's observation; logged as ``env/carried`` in training and ``eval/env/carried
 
 Knobs: ``n_facts`` (how much to remember), ``n_turns`` (the question's turn), ``fact_turn`` (the
 facts' turn, default 1: the distractor turns are the others before the question; a later
-``fact_turn`` shortens the gap to carry, a curriculum's easier stage),
+``fact_turn`` shortens the gap to carry, a curriculum's easier stage; ``fact_turns``, a list, draws
+it per episode, for demonstrations that do not tie the facts to one turn),
 ``noise_words`` (length of each distractor observation), ``kinds`` (which facts, e.g. ``["number"]``:
 a two-digit number a guess gets right 1 time in 90, where a colour pays 1 in 6; default the first
 ``n_facts`` of color, room, name, code, number). Reward: the fraction of facts answered
@@ -52,6 +53,7 @@ class MemoryEnv(Environment):
     n_facts: int = 2
     n_turns: int = 10
     fact_turn: int = 1  # the observation stating the facts; 1 <= fact_turn < n_turns
+    fact_turns: list[int] | None = None  # if set: each episode's fact_turn, drawn from these
     noise_words: int = 24
     max_turns: int = 32
     expert_carries_state: bool = True
@@ -63,14 +65,18 @@ class MemoryEnv(Environment):
     _copy_rng: random.Random = field(default_factory=random.Random, init=False, repr=False)
     _copied: str = field(default="", init=False, repr=False)
     _carried: bool = field(default=False, init=False, repr=False)
+    _fact_at: int = field(default=1, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.require_at_least(n_facts=1, n_turns=1, noise_words=0, max_turns=1, fact_turn=1)
-        if self.n_turns > 1 and self.fact_turn >= self.n_turns:
-            raise KVStreamsError(
-                f"environment 'memory': fact_turn ({self.fact_turn}) must come before the question "
-                f"(n_turns = {self.n_turns})"
-            )
+        self.require_at_least(n_facts=1, n_turns=1, noise_words=0, max_turns=1)
+        for turn in [self.fact_turn, *(self.fact_turns or [])]:
+            if turn < 1 or (self.n_turns > 1 and turn >= self.n_turns):
+                raise KVStreamsError(
+                    f"environment 'memory': a fact_turn ({turn}) must be a turn before the question "
+                    f"(1 to {self.n_turns - 1}; n_turns = {self.n_turns})"
+                )
+        if self.fact_turns is not None and not self.fact_turns:
+            raise KVStreamsError("environment 'memory': fact_turns must name at least one turn")
         if not 0.0 <= self.expert_copy_rate <= 1.0:
             raise KVStreamsError(
                 f"environment 'memory': expert_copy_rate must be in [0, 1], got {self.expert_copy_rate}"
@@ -110,6 +116,9 @@ class MemoryEnv(Environment):
         self._turn = 0
         self._copy_rng = random.Random(f"copy-{seed}")  # its own stream: noise and facts stay as they were
         self._copied = ""
+        self._fact_at = self.fact_turn
+        if self.fact_turns:  # its own stream too
+            self._fact_at = random.Random(f"fact-turn-{seed}").choice(self.fact_turns)
         self._carried = False
         return [
             {
@@ -124,7 +133,7 @@ class MemoryEnv(Environment):
         ]
 
     def _observation(self) -> str:
-        if self._turn == self.fact_turn:
+        if self._turn == self._fact_at:
             facts = ". ".join(f"the {k} is {v}" for k, v in self._facts.items())
             return f"Remember: {facts}. Reply <action>ok</action>."
         if self._turn >= self.n_turns:
@@ -152,7 +161,7 @@ class MemoryEnv(Environment):
     def expert_reply(self) -> str:
         if self._turn == 0:  # nothing to remember yet
             return "<state></state><action>ok</action>"
-        known = self._turn >= self.fact_turn  # the facts are stated at fact_turn, not before
+        known = self._turn >= self._fact_at  # the facts are stated at their turn, not before
         state = (self.state_text() if known else "") if self.expert_carries_state else self._copied
         if self._turn >= self.n_turns:
             return f"<state>{state}</state><action>{self.state_text()}</action>"
