@@ -82,3 +82,11 @@ def test_distill_collapse_quick_runs_both_lambdas(tmp_path):
     assert sorted(coefs[name] for name in runs) == [0.0, 0.1]
     for name, run in runs.items():
         assert ("loss/distill" in run["means"]) == (coefs[name] > 0)
+
+
+def test_recurrence_curriculum_quick_runs_its_stages_then_the_target(tmp_path):
+    runs = _quick("recurrence-curriculum", tmp_path / "q")
+    for run in runs.values():
+        stages = [s["curriculum/stage"] for s in run["steps"] if "curriculum/stage" in s]
+        assert stages == [0.0, 1.0, 2.0]
+        assert "eval/env/carried" in run["evals"]["under compaction"]
