@@ -57,6 +57,10 @@ def test_speed_to_reward_long_is_3b_but_for_its_length(tmp_path):
         b = long.arm_config(arm, 3, "m", tmp_path, quick=False).model_dump()
         assert (a["train"].pop("steps"), b["train"].pop("steps")) == (40, 120)
         assert a == b, arm.name
+        # so their --quick runs are the same runs: the one below stands for both
+        quick = [spec.arm_config(x, 3, "m", tmp_path, quick=True) for spec, x in ((short, twin), (long, arm))]
+        assert quick[0] == quick[1], arm.name
+    assert short.quick.arms == [a.name for a in long.arms] and short.quick.set == long.quick.set
     runs = _quick("speed-to-reward-long", tmp_path / "q")
     stream, reprefill = runs["stream-markovian"], runs["reprefill-markovian"]
     assert reprefill["tokens_forwarded"] > 1.2 * stream["tokens_forwarded"]  # re-prefill's cost
