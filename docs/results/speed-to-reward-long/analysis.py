@@ -1,0 +1,82 @@
+"""The figures of docs/results.md section 3c, from the stored runs (written before any of them ended):
+
+    python docs/results/speed-to-reward-long/analysis.py [RESULTS] > docs/results/speed-to-reward-long/analysis.txt
+
+RESULTS defaults to results.json.gz beside this file. Three parts:
+1. section 3b's per-seed figures and paired differences, by 3b's own script (per_seed.py: eval pass@1
+   by step, training seconds and tokens to the target 0.6, re-prefill / stream ratios, final paired
+   differences, common mode);
+2. the pre-registered gap question: per seed, stream - full context (each in its own mode) at step 40
+   and at step 120, whether |gap| shrank, and the mean ± 95% t of each;
+3. the reproducibility check: every evaluation at steps 0-40 against section 3b's stored run of the
+   same arm and seed (equal to the last digit, or the first step that differs).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE.parent / "speed-to-reward"))
+
+import per_seed  # noqa: E402  (section 3b's script, reused as is)
+
+from kvstreams.stats import mean_interval  # noqa: E402
+
+KEY = "eval/reward_mean"
+
+
+def load(path: Path) -> dict:
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return {(r["arm"], r["seed"]): r for r in json.load(f)["runs"]}
+
+
+def evals(run) -> dict[int, float]:
+    return {row["step"]: row[KEY] for row in run["steps"] if KEY in row}
+
+
+def gap_question(by: dict) -> None:
+    print("\n## stream - full context (own modes), per seed: at step 40, at step 120")
+    seeds = sorted(s for a, s in by if a == "stream-markovian" and ("full", s) in by)
+    at40, at120, shrank = [], [], 0
+    for s in seeds:
+        st, fu = evals(by["stream-markovian", s]), evals(by["full", s])
+        if 40 not in st or 40 not in fu or 120 not in st or 120 not in fu:
+            print(f"seed {s}: not both at steps 40 and 120")
+            continue
+        g40, g120 = st[40] - fu[40], st[120] - fu[120]
+        at40.append(g40)
+        at120.append(g120)
+        shrank += abs(g120) < abs(g40)
+        print(f"seed {s}: {g40:+.3f} -> {g120:+.3f}")
+    if at40:
+        print(f"step 40: {mean_interval(at40).text()}; step 120: {mean_interval(at120).text()}")
+        print(f"|gap| smaller at step 120 on {shrank} of {len(at40)} seeds")
+
+
+def reproducibility(by: dict) -> None:
+    print("\n## steps 0-40 against section 3b's runs (same arm and seed)")
+    before = load(HERE.parent / "speed-to-reward" / "results.json.gz")
+    for (arm, seed), run in sorted(by.items()):
+        if (arm, seed) not in before:
+            continue
+        now, then = evals(run), evals(before[arm, seed])
+        steps = [s for s in sorted(then) if s <= 40 and s in now]
+        differ = [s for s in steps if now[s] != then[s]]
+        verdict = "equal" if not differ else f"first differs at step {differ[0]}"
+        print(f"{arm} seed {seed}: steps {steps}: {verdict}")
+
+
+def main(path: Path) -> None:
+    per_seed.main(path)
+    by = load(path)
+    gap_question(by)
+    reproducibility(by)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]) if len(sys.argv) > 1 else HERE / "results.json.gz")
