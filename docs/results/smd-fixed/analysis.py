@@ -66,14 +66,23 @@ def main() -> None:
         print(f"  start {fmt([by[arm, s]['start'][KEY] for s in seeds])}")
         print(f"  gain {fmt(list(gain[arm].values()))}")
         print(f"  dense change {fmt(list(change[arm].values()))}")
-        for key in ("mismatch/ess", "correction/kept_token_frac", "mismatch/k3_kl", "clip/frac"):
+        for key in (
+            "mismatch/ess",
+            "correction/kept_token_frac",
+            "correction/vetoed_seq_frac",
+            "correction/band_rejected_token_frac",
+            "mismatch/k3_kl",
+            "clip/frac",
+        ):
             means = [run_mean(by[arm, s], key) for s in seeds]
             if None not in means:
                 print(f"  {key}: mean over seeds of the run's mean {fmt(means)}")
         maxima = [run_max(by[arm, s], "mismatch/k3_kl") for s in seeds]
         if None not in maxima:
             print(f"  mismatch/k3_kl, max over all steps and seeds: {max(maxima):.3g}")
-        minima = [min(st["mismatch/ess"] for st in by[arm, s]["steps"] if "mismatch/ess" in st) for s in seeds]
+        minima = [
+            min(st["mismatch/ess"] for st in by[arm, s]["steps"] if "mismatch/ess" in st) for s in seeds
+        ]
         print(f"  mismatch/ess, min over all steps and seeds: {min(minima):.3g}")
     print("\n## paired (same seed)")
     for a, b in (("shadow", "sparse-rl"), ("shadow", "naive"), ("sparse-rl", "naive")):
