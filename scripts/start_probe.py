@@ -9,7 +9,8 @@ docs/results/real-grpo/start_dense.json and docs/results/smd-fixed/probes.json:
     python scripts/start_probe.py real-grpo - 0 > start_dense.json
     python scripts/start_probe.py smd-long OUT 0 --own --set rollout.policy_args.budget=0.3
     python scripts/start_probe.py recurrence-curriculum OUT 0 --own --measure fact_survival \
-        --set rollout.env_args.n_turns=2 --set rollout.strategy_args.token_budget=120
+        --set 'rollout.curriculum=[]' --set rollout.env_args.fact_turn=3 --set rollout.mode=stream \
+        --set rollout.strategy_args.keep_tokens=40
 
 OUT is the experiment's --out (its models/seed-S/sft are the warm starts; "-" for an experiment that
 starts from a fixed ``model``)."""
