@@ -84,6 +84,14 @@ def main() -> None:
             min(st["mismatch/ess"] for st in by[arm, s]["steps"] if "mismatch/ess" in st) for s in seeds
         ]
         print(f"  mismatch/ess, min over all steps and seeds: {min(minima):.3g}")
+    print("\n## training reward, steps 1-10 and 91-100 (mean over the steps), and the run's tied-group share")
+    for arm in ARMS:
+        for s in seeds_of[arm]:
+            steps = [st for st in by[arm, s]["steps"] if "reward/mean" in st]
+            first = sum(st["reward/mean"] for st in steps[:10]) / len(steps[:10])
+            last = sum(st["reward/mean"] for st in steps[-10:]) / len(steps[-10:])
+            tied = run_mean(by[arm, s], "rollout/zero_variance_group_frac")
+            print(f"{arm} seed {s}: {first:.3f} -> {last:.3f}, rollout/zero_variance_group_frac {tied:.2f}")
     print("\n## paired (same seed)")
     for a, b in (("shadow", "sparse-rl"), ("shadow", "naive"), ("sparse-rl", "naive")):
         seeds = sorted(set(gain.get(a, {})) & set(gain.get(b, {})))
