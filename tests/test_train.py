@@ -543,6 +543,24 @@ def test_reprefill_baseline_trains_segments(qwen, model_dirs, tmp_path):
     assert metrics["mismatch/k3_kl"] < 1e-9
 
 
+
+def test_a_reprefill_run_is_evaluated_in_reprefill_mode(qwen, model_dirs, tmp_path):
+    """Each arm in its own mode: a model trained on re-prefilled segments (reset positions, KVs
+    recomputed without the deleted span) is evaluated the same way, not in stream mode."""
+    from kvstreams.experiments.measures import measure
+    from kvstreams.train.evaluation import evaluate
+
+    model, tok = qwen
+    sets = {"rollout.mode": '"reprefill"', "loss.type": '"reprefill"', "train.eval_episodes": "2"}
+    reprefill = RolloutSource(model, tok, small_config(model_dirs["qwen3"], tmp_path, **sets))
+    stream = RolloutSource(model, tok, small_config(model_dirs["qwen3"], tmp_path))
+    figures = [evaluate(source, 2, greedy=False) for source in (reprefill, stream)]
+    forwarded = [f["eval/tokens_forwarded_per_episode"] for f in figures]
+    assert forwarded[0] > forwarded[1]  # the retained turns were forwarded again after each compaction
+    # and an experiment's measure reads an episode's last segment, where its final answer starts
+    survival = measure("fact_survival", reprefill, 2)  # the same held-out episodes, sampled again
+    assert survival["fact_survival_reward"] == figures[0]["eval/reward_mean"]
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [

@@ -54,8 +54,9 @@ def fact_survival(source: RolloutSource, n: int) -> dict[str, float]:
         raise KVStreamsError("measure 'fact_survival' is defined on the memory environment")
     plan = evaluation_plan(source.cfg, n, greedy=False)
     batch = source.run(plan)
+    last = {s.episode: s for s in batch.samples}  # re-prefill mode: an episode's segments, in order
     survived = total = 0
-    for seed, sample in zip(plan.env_seeds, batch.samples, strict=True):
+    for seed, sample in zip(plan.env_seeds, [last[i] for i in sorted(last)], strict=True):
         env = make_env(r.env, **r.env_args)
         env.reset(seed)
         text = source.chat.decode(visible_before_last_reply(sample.trace).tolist())

@@ -114,14 +114,15 @@ def evaluation_plan(cfg: Config, n: int, greedy: bool, samples: int = 1) -> Epis
     """Episodes on ``n`` held-out tasks, ``samples`` each (contiguous, one group per task): seeds from
     ``train.eval_seed`` on, in the environment's held-out split (GSM8K's test split); never used for
     training. A task's first sample uses the task's seed as sampling seed, so ``samples = 1`` draws what
-    earlier versions drew. Re-prefill runs are evaluated in stream mode (the same model sees the same
-    context)."""
+    earlier versions drew. Each run is evaluated in its own mode: a re-prefill run in re-prefill mode
+    (it was trained on reset positions and on KVs recomputed without the deleted span; served in
+    stream mode it would be a different policy). Before 2026-12-07 re-prefill runs were evaluated in
+    stream mode: docs/results.md sections 3, 3b say which of their figures that changes."""
     seeds = [cfg.train.eval_seed + i for i in range(n)]
     env_seeds = [s for s in seeds for _ in range(samples)]
     sample_seeds = [s + j * 1_000_003 for s in seeds for j in range(samples)]
     groups = [i for i in range(n) for _ in range(samples)]
-    mode = cfg.rollout.mode if cfg.rollout.mode != "reprefill" else "stream"
-    return EpisodePlan(env_seeds, sample_seeds, groups, greedy=greedy, mode=mode, held_out=True)
+    return EpisodePlan(env_seeds, sample_seeds, groups, greedy=greedy, mode=cfg.rollout.mode, held_out=True)
 
 
 def single_turn(cfg: Config) -> bool:
