@@ -9,7 +9,12 @@ RESULTS defaults to results.json.gz beside this file. Three parts:
 2. the pre-registered gap question: per seed, stream - full context (each in its own mode) at step 40
    and at step 120, whether |gap| shrank, and the mean ± 95% t of each;
 3. the reproducibility check: every evaluation at steps 0-40 against section 3b's stored run of the
-   same arm and seed (equal to the last digit, or the first step that differs).
+   same arm and seed (equal to the last digit, or the first step that differs);
+4. (added 2026-12-07, before any re-prefill run of this experiment ended, with the fix that evaluates
+   a re-prefill run in re-prefill mode: 3b's re-prefill runs were evaluated in stream mode) the
+   re-prefill arm's reproducibility on its *training* rewards, steps 0-40 (its evaluations now run in
+   another mode than 3b's, so they cannot match), and its final pass@1 in its own mode against the
+   common mode (stream), per seed and paired.
 """
 
 from __future__ import annotations
@@ -64,11 +69,32 @@ def reproducibility(by: dict) -> None:
     for (arm, seed), run in sorted(by.items()):
         if (arm, seed) not in before:
             continue
-        now, then = evals(run), evals(before[arm, seed])
+        if arm.startswith("reprefill"):  # evaluated in stream mode in 3b: compare what it trained on
+            now, then = training(run), training(before[arm, seed])
+            arm = f"{arm} (training reward/mean)"
+        else:
+            now, then = evals(run), evals(before[arm, seed])
         steps = [s for s in sorted(then) if s <= 40 and s in now]
         differ = [s for s in steps if now[s] != then[s]]
         verdict = "equal" if not differ else f"first differs at step {differ[0]}"
         print(f"{arm} seed {seed}: steps {steps}: {verdict}")
+
+
+def training(run) -> dict[int, float]:
+    return {row["step"]: row["reward/mean"] for row in run["steps"] if "reward/mean" in row}
+
+
+def reprefill_modes(by: dict) -> None:
+    print("\n## re-prefill arm, final pass@1: own mode (re-prefill) vs common mode (stream)")
+    diffs = []
+    for (arm, seed), run in sorted(by.items()):
+        if arm != "reprefill-markovian" or "stream markovian" not in run["evals"]:
+            continue
+        own, common = run["final"][KEY], run["evals"]["stream markovian"][KEY]
+        diffs.append(own - common)
+        print(f"seed {seed}: own {own:.3f}, common {common:.3f}, own - common {own - common:+.3f}")
+    if diffs:
+        print(f"own - common: {mean_interval(diffs).text()}")
 
 
 def main(path: Path) -> None:
@@ -76,6 +102,7 @@ def main(path: Path) -> None:
     by = load(path)
     gap_question(by)
     reproducibility(by)
+    reprefill_modes(by)
 
 
 if __name__ == "__main__":
