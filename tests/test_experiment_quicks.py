@@ -94,3 +94,18 @@ def test_recurrence_curriculum_quick_runs_its_stages_then_the_target(tmp_path):
         stages = [s["curriculum/stage"] for s in run["steps"] if "curriculum/stage" in s]
         assert stages == [0.0, 1.0, 2.0]
         assert "eval/env/carried" in run["evals"]["under compaction"]
+
+
+def test_speed_preset_quick_compacts_on_turns_and_evaluates_reprefill_in_both_modes(tmp_path):
+    spec = load_spec("speed-preset")
+    cfg = spec.arm_config(spec.arms[0], 0, "m", tmp_path, quick=False)
+    assert cfg.rollout.strategy_preset == "kvstreams" and cfg.rollout.env_args["n_turns"] > 10
+    runs = _quick("speed-preset", tmp_path / "q")
+    stream, markovian, sliding = (
+        runs[a] for a in ("stream-markovian", "reprefill-markovian", "reprefill-sliding")
+    )
+    # the turn trigger fired (no token budget is near): re-prefill paid for it, sliding window most
+    assert stream["tokens_forwarded"] < markovian["tokens_forwarded"] < sliding["tokens_forwarded"]
+    # each re-prefill run evaluated in its own mode, then served in stream mode: fewer tokens there
+    own, served = markovian["final"], markovian["evals"]["stream"]
+    assert own["eval/tokens_forwarded_per_episode"] > served["eval/tokens_forwarded_per_episode"]

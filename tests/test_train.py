@@ -543,7 +543,6 @@ def test_reprefill_baseline_trains_segments(qwen, model_dirs, tmp_path):
     assert metrics["mismatch/k3_kl"] < 1e-9
 
 
-
 def test_a_reprefill_run_is_evaluated_in_reprefill_mode(qwen, model_dirs, tmp_path):
     """Each arm in its own mode: a model trained on re-prefilled segments (reset positions, KVs
     recomputed without the deleted span) is evaluated the same way, not in stream mode."""
@@ -560,6 +559,7 @@ def test_a_reprefill_run_is_evaluated_in_reprefill_mode(qwen, model_dirs, tmp_pa
     # and an experiment's measure reads an episode's last segment, where its final answer starts
     survival = measure("fact_survival", reprefill, 2)  # the same held-out episodes, sampled again
     assert survival["fact_survival_reward"] == figures[0]["eval/reward_mean"]
+
 
 @pytest.mark.parametrize(
     ("overrides", "message"),
