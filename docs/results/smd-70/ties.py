@@ -1,4 +1,8 @@
-"""Share of GRPO-sized groups (8 samples of one task) whose rewards all tie, at the warm start."""
+"""Share of GRPO-sized groups (group_size samples of one held-out task) whose rewards all tie, at a
+warm start, under the spec's first arm with overrides (docs/results.md 1e; output: ties.json):
+
+    python docs/results/smd-70/ties.py smd-70 OUT/models/seed-5/sft rollout.policy_args.budget=0.3
+"""
 import sys, json
 from pathlib import Path
 from kvstreams.experiments import load_spec
