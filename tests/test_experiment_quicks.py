@@ -109,3 +109,15 @@ def test_speed_preset_quick_compacts_on_turns_and_evaluates_reprefill_in_both_mo
     # each re-prefill run evaluated in its own mode, then served in stream mode: fewer tokens there
     own, served = markovian["final"], markovian["evals"]["stream"]
     assert own["eval/tokens_forwarded_per_episode"] > served["eval/tokens_forwarded_per_episode"]
+
+
+def test_smd_70_quick_keeps_about_30_percent_and_evaluates_dense(tmp_path):
+    runs = _quick("smd-70", tmp_path / "q")
+    assert set(runs) == {"shadow", "sparse-rl"}
+    for run in runs.values():
+        # 70% of each sequence's entries dropped at each round; the cache grows again between rounds
+        # (every 32 tokens), so the saving over the reply is lower (20% dropped saves about 0.18)
+        assert run["final"]["kv/saving"] > 0.4
+        assert "eval/reward_mean" in run["evals"]["dense"]
+    assert runs["shadow"]["means"]["mismatch/ess"] == pytest.approx(1.0, abs=1e-9)
+    assert runs["sparse-rl"]["means"]["mismatch/ess"] < 1.0  # the dense learner is off the sampler
