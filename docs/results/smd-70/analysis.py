@@ -51,7 +51,7 @@ def per_arm(by: dict, dense_start: dict[int, float], arm: str) -> tuple[dict, di
         means = [run_mean(by[arm, s], key) for s in seeds]
         if None not in means:
             print(f"  {key}: mean over seeds of the run's mean {fmt(means)}")
-    early = [smd_fixed_early_ties(by[arm, s]) for s in seeds]
+    early = [early_ties(by[arm, s]) for s in seeds]
     print(
         f"  tied groups, steps 1-10 (mean over the steps), per seed: {', '.join(f'{t:.2f}' for t in early)}"
     )
@@ -63,7 +63,7 @@ def per_arm(by: dict, dense_start: dict[int, float], arm: str) -> tuple[dict, di
     return gain, change
 
 
-def smd_fixed_early_ties(run) -> float:
+def early_ties(run) -> float:
     values = [
         s["rollout/zero_variance_group_frac"] for s in run["steps"] if "rollout/zero_variance_group_frac" in s
     ]
