@@ -77,6 +77,7 @@ def test_a_bad_arm_is_one_line_naming_the_arm(tmp_path):
     "changes, message",
     [
         ({"arms": [{"name": "a"}, {"name": "a"}]}, "repeat"),
+        ({"arms": [{"name": "a", "groups": []}]}, "at least 1 item"),
         ({"reference_arm": "zzz"}, "reference_arm"),
         ({"quick": {"arms": ["zzz"]}}, "unknown arms"),
         ({"warm_start": {"arch": "qwen3"}}, "exactly one of model"),
@@ -95,6 +96,26 @@ def test_arm_overrides_apply_in_order_and_quick_comes_last(tmp_path):
     assert spec.arm_config(b, 1, "m", tmp_path, quick=False).optim.lr == 1e-3
     cfg = spec.arm_config(b, 1, "m", tmp_path, quick=True)
     assert (cfg.optim.lr, cfg.train.steps, cfg.train.seed, cfg.train.out_dir) == (7e-4, 2, 1, str(tmp_path))
+
+
+def test_runs_go_group_by_group_each_over_every_seed():
+    """An experiment stopped early has its earlier groups complete and paired, in the spec's order."""
+    from kvstreams.experiments.runner import plan_runs
+
+    arms = [
+        {"name": "a", "groups": ["main"]},
+        {"name": "b", "groups": ["main"]},
+        {"name": "c", "groups": ["second"]},
+        {"name": "d", "groups": ["third"]},
+        {"name": "e", "groups": ["second"]},
+    ]
+    spec = ExperimentSpec.model_validate(_spec(arms=arms))
+    plan = [(arm.name, seed) for arm, seed in plan_runs(spec, quick=False, n_seeds=2)]
+    assert plan == [
+        ("a", 0), ("b", 0), ("a", 1), ("b", 1),
+        ("c", 0), ("e", 0), ("c", 1), ("e", 1),
+        ("d", 0), ("d", 1),
+    ]  # fmt: skip
 
 
 # --- report -------------------------------------------------------------------------------------------

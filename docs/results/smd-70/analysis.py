@@ -1,4 +1,4 @@
-"""The figures of docs/results.md section 1e, from the stored runs (written before any run):
+"""The figures of docs/results.md sections 1e and 1f, from the stored runs (written before any run):
 
     python docs/results/smd-70/analysis.py > docs/results/smd-70/analysis.txt
 
@@ -28,7 +28,11 @@ _spec = importlib.util.spec_from_file_location("smd_fixed", HERE.parent / "smd-f
 smd_fixed = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(smd_fixed)
 fmt, run_mean, run_max = smd_fixed.fmt, smd_fixed.run_mean, smd_fixed.run_max
-GROUPS = {"70%": ("shadow", "sparse-rl", "naive"), "50%": ("shadow-50", "sparse-rl-50", "naive-50")}
+GROUPS = {
+    "70%": ("shadow", "sparse-rl", "naive"),
+    "fixed cache 192 / 128 (1f)": ("shadow-fixed", "sparse-rl-fixed", "naive-fixed"),
+    "50%": ("shadow-50", "sparse-rl-50", "naive-50"),
+}
 
 
 def load() -> tuple[dict, dict[int, float]]:
@@ -47,7 +51,14 @@ def per_arm(by: dict, dense_start: dict[int, float], arm: str) -> tuple[dict, di
     print(f"  start {fmt([by[arm, s]['start'][KEY] for s in seeds])}")
     print(f"  gain {fmt(list(gain.values()))}")
     print(f"  dense change {fmt(list(change.values()))}")
-    for key in ("mismatch/ess", "mismatch/k3_kl", "clip/frac", "correction/discarded_seq_frac"):
+    for key in (
+        "mismatch/ess",
+        "mismatch/k3_kl",
+        "clip/frac",
+        "correction/discarded_seq_frac",
+        "correction/kept_token_frac",
+        "correction/vetoed_seq_frac",
+    ):
         means = [run_mean(by[arm, s], key) for s in seeds]
         if None not in means:
             print(f"  {key}: mean over seeds of the run's mean {fmt(means)}")
@@ -138,6 +149,50 @@ def verdicts(gain: dict, change: dict, by: dict) -> None:
         )
 
 
+def verdicts_fixed(gain: dict, change: dict, by: dict) -> None:
+    """Each prediction of section 1f, as written (the `fixed` group)."""
+    mean = lambda values: sum(values) / len(values)  # noqa: E731
+    check = lambda text, held: print(f"- {text}: {'held' if held else 'NOT held'}")  # noqa: E731
+    sh, sp, na = (gain.get(a) for a in GROUPS["fixed cache 192 / 128 (1f)"])
+    if sh:
+        check("shadow gain >= +0.1 in the mean", mean(list(sh.values())) >= 0.1)
+        check(
+            "shadow dense change within 0.05 on >= 3 of 5 seeds",
+            sum(abs(v) <= 0.05 for v in change["shadow-fixed"].values()) >= 3,
+        )
+        exact = all(run_max(by["shadow-fixed", s], "mismatch/k3_kl") < 1e-12 for s in sh) and all(
+            st["mismatch/ess"] > 1 - 1e-9
+            for s in sh
+            for st in by["shadow-fixed", s]["steps"]
+            if "mismatch/ess" in st
+        )
+        check("mechanism: shadow ESS 1.000 and k3 below 1e-12 at every step", exact)
+    if sp:
+        kept = [run_mean(by["sparse-rl-fixed", s], "correction/kept_token_frac") for s in sp]
+        check("Sparse-RL kept-token share below 0.1 (mean over seeds of the run's mean)", mean(kept) < 0.1)
+        check("Sparse-RL gain <= 0 (mean)", mean(list(sp.values())) <= 0)
+    if na:
+        check("naive gain <= +0.05 (mean)", mean(list(na.values())) <= 0.05)
+        check("naive dense change below -0.1 (mean)", mean(list(change["naive-fixed"].values())) < -0.1)
+        check(
+            "naive run-mean ESS below 0.6 (mean over seeds)",
+            mean([run_mean(by["naive-fixed", s], "mismatch/ess") for s in na]) < 0.6,
+        )
+    if sp and na:
+        check(
+            "Sparse-RL dense change below naive's (means)",
+            mean(list(change["sparse-rl-fixed"].values())) < mean(list(change["naive-fixed"].values())),
+        )
+    if sh and na:
+        iv = mean_interval(paired(sh, na))
+        check(
+            "shadow - naive >= +0.06 with the interval above 0",
+            iv.mean >= 0.06 and iv.mean - (iv.half_width or 0) > 0,
+        )
+    if sh and sp:
+        check("shadow - Sparse-RL >= +0.1 (mean)", mean(paired(sh, sp)) >= 0.1)
+
+
 def main() -> None:
     by, dense_start = load()
     gain, change = {}, {}
@@ -152,6 +207,8 @@ def main() -> None:
         ("shadow", "sparse-rl"),
         ("shadow", "naive"),
         ("sparse-rl", "naive"),
+        ("shadow-fixed", "sparse-rl-fixed"),
+        ("shadow-fixed", "naive-fixed"),
         ("shadow-50", "naive-50"),
     ):
         if a in gain and b in gain:
@@ -160,6 +217,8 @@ def main() -> None:
             )
     print("\n## the predictions of section 1e")
     verdicts(gain, change, by)
+    print("\n## the predictions of section 1f")
+    verdicts_fixed(gain, change, by)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 
 Each run is ``kvstreams train`` itself (same code path, no experiment-only learner) in
 ``OUT/runs/ARM/seed-S``; a finished run leaves ``result.json`` and is never redone, an interrupted
-one resumes from its last checkpoint. The first group's arms run over every seed (seed by seed)
-before the other arms, so an experiment stopped early still holds its main comparison, paired.
+one resumes from its last checkpoint. Groups run in the spec's order, each group's arms over every
+seed (seed by seed), so an experiment stopped early still holds its earlier comparisons, paired.
 """
 
 from __future__ import annotations
@@ -193,14 +193,17 @@ def _evaluate(spec, arm, seed, model, out, quick, evaluation) -> dict[str, float
 
 
 def plan_runs(spec: ExperimentSpec, quick: bool, n_seeds: int) -> list[tuple[Arm, int]]:
-    """The order of the runs: the first group's arms over every seed (seed by seed), then the rest;
-    an experiment stopped early has its main comparison complete and paired."""
+    """The order of the runs: group by group in the spec's order, each group's arms over every seed
+    (seed by seed), an arm in several groups with the first; an experiment stopped early has its
+    earlier groups complete and paired."""
     arms = spec.arms_to_run(quick)
-    first = spec.groups(arms)[0]
-    ordered = [a for a in arms if first in a.groups] + [a for a in arms if first not in a.groups]
-    head = [a for a in ordered if first in a.groups]
-    tail = ordered[len(head) :]
-    return [(a, s) for s in range(n_seeds) for a in head] + [(a, s) for s in range(n_seeds) for a in tail]
+    plan: list[tuple[Arm, int]] = []
+    placed: set[str] = set()
+    for group in spec.groups(arms):
+        members = [a for a in arms if group in a.groups and a.name not in placed]
+        placed.update(a.name for a in members)
+        plan += [(a, s) for s in range(n_seeds) for a in members]
+    return plan
 
 
 def finished_runs(spec: ExperimentSpec, out: Path, quick: bool = False, seeds: int | None = None):

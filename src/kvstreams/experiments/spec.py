@@ -30,7 +30,9 @@ class Arm(_Table):
     label: str = Field("", description="what tables and plots call it (default: name)")
     set: dict[str, Any] = Field(default_factory=dict, description="dotted overrides of [base]")
     groups: list[str] = Field(
-        default_factory=lambda: ["main"], description="the tables (and plots) the arm appears in"
+        default_factory=lambda: ["main"],
+        min_length=1,
+        description="the tables (and plots) the arm appears in; groups run in the order they first appear",
     )
 
 
