@@ -14,7 +14,11 @@ RESULTS defaults to results.json.gz beside this file. Three parts:
    a re-prefill run in re-prefill mode: 3b's re-prefill runs were evaluated in stream mode) the
    re-prefill arm's reproducibility on its *training* rewards, steps 0-40 (its evaluations now run in
    another mode than 3b's, so they cannot match), and its final pass@1 in its own mode against the
-   common mode (stream), per seed and paired.
+   common mode (stream), per seed and paired;
+5. (added after reading the results, post hoc, not a prediction) each arm's start, final and gain in
+   its own mode, and the paired difference of *gains* stream - re-prefill: the final difference could
+   be where each starts rather than what RL did, since the same warm starts score lower served in
+   re-prefill mode.
 """
 
 from __future__ import annotations
@@ -97,12 +101,30 @@ def reprefill_modes(by: dict) -> None:
         print(f"own - common: {mean_interval(diffs).text()}")
 
 
+def gains(by: dict) -> None:
+    print("\n## post hoc: start, final and gain in each arm's own mode; paired gain differences")
+    gain = {}
+    for arm in ("full", "stream-markovian", "reprefill-markovian"):
+        seeds = sorted(s for a, s in by if a == arm)
+        start = [by[arm, s]["start"][KEY] for s in seeds]
+        final = [by[arm, s]["final"][KEY] for s in seeds]
+        gain[arm] = {s: f - b for s, b, f in zip(seeds, start, final, strict=True)}
+        print(f"{arm}: start {mean_interval(start).text()}; final {mean_interval(final).text()}")
+        print(
+            f"  gain {mean_interval(list(gain[arm].values())).text()}: {[round(g, 3) for g in gain[arm].values()]}"
+        )
+    for a, b in (("stream-markovian", "reprefill-markovian"), ("stream-markovian", "full")):
+        d = [gain[a][s] - gain[b][s] for s in sorted(set(gain[a]) & set(gain[b]))]
+        print(f"gain {a} - {b}: {mean_interval(d).text()}: {[round(x, 3) for x in d]}")
+
+
 def main(path: Path) -> None:
     per_seed.main(path)
     by = load(path)
     gap_question(by)
     reproducibility(by)
     reprefill_modes(by)
+    gains(by)
 
 
 if __name__ == "__main__":
