@@ -10,7 +10,7 @@ Statistics, as pre-registered in section 1e: gain = eval/reward_mean after 100 s
 (64 held-out tasks x 4 samples, under the arm's compression); dense change = the same episodes served
 dense after training minus the warm start's dense reward; paired by seed; mean ± 95% t over seeds;
 per-step metrics are each run's mean over its steps, then over seeds. Then each prediction, checked
-as written. The helpers (fmt, run_mean, run_max) are section 1d's, loaded from its script.
+as written. The helpers (fmt, run_mean, run_max, print_run_means) are section 1d's, loaded from its script.
 """
 
 from __future__ import annotations
@@ -27,7 +27,12 @@ KEY = "eval/reward_mean"
 _spec = importlib.util.spec_from_file_location("smd_fixed", HERE.parent / "smd-fixed" / "analysis.py")
 smd_fixed = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(smd_fixed)
-fmt, run_mean, run_max = smd_fixed.fmt, smd_fixed.run_mean, smd_fixed.run_max
+fmt, run_mean, run_max, print_run_means = (
+    smd_fixed.fmt,
+    smd_fixed.run_mean,
+    smd_fixed.run_max,
+    smd_fixed.print_run_means,
+)
 GROUPS = {
     "70%": ("shadow", "sparse-rl", "naive"),
     "fixed cache 192 / 128 (1f)": ("shadow-fixed", "sparse-rl-fixed", "naive-fixed"),
@@ -51,17 +56,19 @@ def per_arm(by: dict, dense_start: dict[int, float], arm: str) -> tuple[dict, di
     print(f"  start {fmt([by[arm, s]['start'][KEY] for s in seeds])}")
     print(f"  gain {fmt(list(gain.values()))}")
     print(f"  dense change {fmt(list(change.values()))}")
-    for key in (
-        "mismatch/ess",
-        "mismatch/k3_kl",
-        "clip/frac",
-        "correction/discarded_seq_frac",
-        "correction/kept_token_frac",
-        "correction/vetoed_seq_frac",
-    ):
-        means = [run_mean(by[arm, s], key) for s in seeds]
-        if None not in means:
-            print(f"  {key}: mean over seeds of the run's mean {fmt(means)}")
+    print_run_means(
+        by,
+        arm,
+        seeds,
+        (
+            "mismatch/ess",
+            "mismatch/k3_kl",
+            "clip/frac",
+            "correction/discarded_seq_frac",
+            "correction/kept_token_frac",
+            "correction/vetoed_seq_frac",
+        ),
+    )
     early = [early_ties(by[arm, s]) for s in seeds]
     print(
         f"  tied groups, steps 1-10 (mean over the steps), per seed: {', '.join(f'{t:.2f}' for t in early)}"
@@ -83,6 +90,14 @@ def early_ties(run) -> float:
 
 def paired(x: dict, y: dict) -> list[float]:
     return [x[s] - y[s] for s in sorted(set(x) & set(y))]
+
+
+def shadow_exact(by: dict, arm: str, seeds) -> bool:
+    """The replay's mechanism: ESS 1 and k3 KL below 1e-12 at every logged step of every seed."""
+    runs = [by[arm, s] for s in seeds]
+    return all(run_max(r, "mismatch/k3_kl") < 1e-12 for r in runs) and all(
+        st["mismatch/ess"] > 1 - 1e-9 for r in runs for st in r["steps"] if "mismatch/ess" in st
+    )
 
 
 def verdicts(gain: dict, change: dict, by: dict) -> None:
@@ -134,14 +149,7 @@ def verdicts(gain: dict, change: dict, by: dict) -> None:
             mean(list(sh.values())) > mean(list(sp.values())) >= mean(list(na.values())),
         )
     if sh:
-        seeds = sorted(sh)
-        exact = all(run_max(by["shadow", s], "mismatch/k3_kl") < 1e-12 for s in seeds) and all(
-            st["mismatch/ess"] > 1 - 1e-9
-            for s in seeds
-            for st in by["shadow", s]["steps"]
-            if "mismatch/ess" in st
-        )
-        check("mechanism: shadow ESS 1.000 and k3 below 1e-12 at every step", exact)
+        check("mechanism: shadow ESS 1.000 and k3 below 1e-12 at every step", shadow_exact(by, "shadow", sh))
     if "naive-50" in change and "naive" in change:
         check(
             "naive-50 dense change less negative than naive's at 70% (mean of paired)",
@@ -160,13 +168,10 @@ def verdicts_fixed(gain: dict, change: dict, by: dict) -> None:
             "shadow dense change within 0.05 on >= 3 of 5 seeds",
             sum(abs(v) <= 0.05 for v in change["shadow-fixed"].values()) >= 3,
         )
-        exact = all(run_max(by["shadow-fixed", s], "mismatch/k3_kl") < 1e-12 for s in sh) and all(
-            st["mismatch/ess"] > 1 - 1e-9
-            for s in sh
-            for st in by["shadow-fixed", s]["steps"]
-            if "mismatch/ess" in st
+        check(
+            "mechanism: shadow ESS 1.000 and k3 below 1e-12 at every step",
+            shadow_exact(by, "shadow-fixed", sh),
         )
-        check("mechanism: shadow ESS 1.000 and k3 below 1e-12 at every step", exact)
     if sp:
         kept = [run_mean(by["sparse-rl-fixed", s], "correction/kept_token_frac") for s in sp]
         check("Sparse-RL kept-token share below 0.1 (mean over seeds of the run's mean)", mean(kept) < 0.1)

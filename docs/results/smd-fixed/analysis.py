@@ -51,6 +51,14 @@ def run_max(run, key: str) -> float | None:
     return max(values) if values else None
 
 
+def print_run_means(by: dict, arm: str, seeds: list[int], keys) -> None:
+    """Each per-step metric logged by every seed's run: the mean over seeds of the run's mean."""
+    for key in keys:
+        means = [run_mean(by[arm, s], key) for s in seeds]
+        if None not in means:
+            print(f"  {key}: mean over seeds of the run's mean {fmt(means)}")
+
+
 def main() -> None:
     by, dense_start = load()
     seeds_of = {arm: sorted(s for a, s in by if a == arm) for arm in ARMS}
@@ -66,17 +74,19 @@ def main() -> None:
         print(f"  start {fmt([by[arm, s]['start'][KEY] for s in seeds])}")
         print(f"  gain {fmt(list(gain[arm].values()))}")
         print(f"  dense change {fmt(list(change[arm].values()))}")
-        for key in (
-            "mismatch/ess",
-            "correction/kept_token_frac",
-            "correction/vetoed_seq_frac",
-            "correction/band_rejected_token_frac",
-            "mismatch/k3_kl",
-            "clip/frac",
-        ):
-            means = [run_mean(by[arm, s], key) for s in seeds]
-            if None not in means:
-                print(f"  {key}: mean over seeds of the run's mean {fmt(means)}")
+        print_run_means(
+            by,
+            arm,
+            seeds,
+            (
+                "mismatch/ess",
+                "correction/kept_token_frac",
+                "correction/vetoed_seq_frac",
+                "correction/band_rejected_token_frac",
+                "mismatch/k3_kl",
+                "clip/frac",
+            ),
+        )
         maxima = [run_max(by[arm, s], "mismatch/k3_kl") for s in seeds]
         if None not in maxima:
             print(f"  mismatch/k3_kl, max over all steps and seeds: {max(maxima):.3g}")
