@@ -108,11 +108,12 @@ def test_runs_go_group_by_group_each_over_every_seed():
         {"name": "c", "groups": ["second"]},
         {"name": "d", "groups": ["third"]},
         {"name": "e", "groups": ["second"]},
+        {"name": "f", "groups": ["main", "third"]},  # runs once, with its first group
     ]
     spec = ExperimentSpec.model_validate(_spec(arms=arms))
     plan = [(arm.name, seed) for arm, seed in plan_runs(spec, quick=False, n_seeds=2)]
     assert plan == [
-        ("a", 0), ("b", 0), ("a", 1), ("b", 1),
+        ("a", 0), ("b", 0), ("f", 0), ("a", 1), ("b", 1), ("f", 1),
         ("c", 0), ("e", 0), ("c", 1), ("e", 1),
         ("d", 0), ("d", 1),
     ]  # fmt: skip
