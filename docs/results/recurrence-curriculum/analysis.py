@@ -2,19 +2,23 @@
 
     python docs/results/recurrence-curriculum/analysis.py [RESULTS] > docs/results/recurrence-curriculum/analysis.txt
 
-RESULTS defaults to results.json.gz beside this file. Two parts:
+RESULTS defaults to results.json.gz beside this file. Three parts:
 1. section 5b's per-seed figures (per_seed.py, reused as is): reward in each arm's own mode before and
    after RL, under compaction after RL, eval/env/carried, and the paired differences;
 2. the curriculum's own: per seed, the training env/carried (the share of the step's 64 episodes whose
    last state before the question held the fact) averaged over each stage's last 5 steps (stage A:
    steps 15-19, the pre-registered statistic; stage B: 35-39; target: 75-79), and on how many seeds
-   stage A's is below 0.05.
+   stage A's is below 0.05;
+3. each prediction of section 5c checked as written (held / not held), and the "reproduced if" test
+   (added 2026-12-07 before any run had finished; parts 1-2 print the same figures).
 """
 
 from __future__ import annotations
 
 import gzip
 import json
+import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -30,7 +34,9 @@ WINDOWS = {
 }
 
 
-def carried_by_stage(path: Path) -> None:
+def carried_by_stage(path: Path) -> dict[str, int]:
+    """Prints the per-stage means; returns, per arm, on how many seeds stage A's is below 0.05."""
+    counts = {}
     with gzip.open(path, "rt") as f:
         runs = {(r["arm"], r["seed"]): r for r in json.load(f)["runs"]}
     print(
@@ -48,11 +54,56 @@ def carried_by_stage(path: Path) -> None:
             below += means["stage A (steps 15-19)"] < 0.05
             print(f"{arm} seed {seed}: " + ", ".join(f"{k} {v:.3f}" for k, v in means.items()))
         print(f"{arm}: stage A below 0.05 on {below} of {seeds} seeds")
+        counts[arm] = below
+    return counts
+
+
+def _paired(runs, key: str, seeds: list[int]) -> list[float]:
+    under = "under compaction"
+    return [
+        runs["markovian", s]["evals"][under][key] - runs["no-compaction", s]["evals"][under][key]
+        for s in seeds
+    ]
+
+
+def verdicts(path: Path, stage_a_below: int) -> None:
+    """The predictions of section 5c, each as written there."""
+    with gzip.open(path, "rt") as f:
+        runs = {(r["arm"], r["seed"]): r for r in json.load(f)["runs"]}
+    seeds = sorted(s for a, s in runs if a == "markovian" and ("no-compaction", s) in runs)
+    m = [runs["markovian", s] for s in seeds]
+    n = [runs["no-compaction", s] for s in seeds]
+    carried = [r["evals"]["under compaction"]["eval/env/carried"] for r in m]
+    reward = [r["evals"]["under compaction"]["eval/reward_mean"] for r in m]
+    gain = [r["final"]["eval/reward_mean"] - r["start"]["eval/reward_mean"] for r in n]
+    n_carried = [r["final"]["eval/env/carried"] for r in n]
+    diff = _paired(runs, "eval/reward_mean", seeds)
+    half = (
+        per_seed.T95[len(diff) - 1] * statistics.stdev(diff) / math.sqrt(len(diff))
+        if len(diff) > 1
+        else math.inf
+    )
+    print(f"\n## predictions (seeds {seeds})")
+    print(f"markovian training carried at stage A (steps 15-19) < 0.05 on >= 3 seeds: {stage_a_below >= 3}")
+    print(f"markovian carried under compaction < 0.04 on >= 3 seeds: {sum(c < 0.04 for c in carried) >= 3}")
+    print(
+        f"markovian reward under compaction within 0.1 of 1/6 on >= 3 seeds: "
+        f"{sum(abs(x - per_seed.CHANCE) <= 0.1 for x in reward) >= 3}"
+    )
+    print(
+        f"no-compaction own-mode gain >= 0.1 in the mean ({statistics.mean(gain):+.3f}) with carried "
+        f"< 0.02 ({statistics.mean(n_carried):.3f}): {statistics.mean(gain) >= 0.1 and statistics.mean(n_carried) < 0.02}"
+    )
+    reproduced = sum(c >= 0.04 for c in carried) >= 3 and statistics.mean(diff) - half > 0
+    print(
+        f"reproduced (carried >= 0.04 on >= 3 seeds and markovian - no-compaction reward under "
+        f"compaction {statistics.mean(diff):+.3f} ± {half:.3f} above 0): {reproduced}"
+    )
 
 
 def main(path: Path) -> None:
     per_seed.main(path)
-    carried_by_stage(path)
+    verdicts(path, carried_by_stage(path)["markovian"])
 
 
 if __name__ == "__main__":
