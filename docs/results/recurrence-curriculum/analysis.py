@@ -10,7 +10,9 @@ RESULTS defaults to results.json.gz beside this file. Three parts:
    steps 15-19, the pre-registered statistic; stage B: 35-39; target: 75-79), and on how many seeds
    stage A's is below 0.05;
 3. each prediction of section 5c checked as written (held / not held), and the "reproduced if" test
-   (added 2026-12-07 before any run had finished; parts 1-2 print the same figures).
+   (added 2026-12-07 before any run had finished; parts 1-2 print the same figures);
+4. post hoc (written after the runs): training reward per stage window, and the held-out reward at
+   steps 0, 40 (the curriculum's end) and 80, mean ± 95% t over seeds.
 """
 
 from __future__ import annotations
@@ -101,9 +103,34 @@ def verdicts(path: Path, stage_a_below: int) -> None:
     )
 
 
+def post_hoc(path: Path) -> None:
+    with gzip.open(path, "rt") as f:
+        runs = {(r["arm"], r["seed"]): r for r in json.load(f)["runs"]}
+    print("\n## post hoc: training reward/mean over each stage window, and held-out eval reward by step")
+    for arm in ("markovian", "no-compaction"):
+        seeds = sorted(s for a, s in runs if a == arm)
+        for name, window in {"steps 0-4": range(0, 5), **WINDOWS}.items():
+            xs = []
+            for seed in seeds:
+                rows = {
+                    r["step"] - 1: r["reward/mean"] for r in runs[arm, seed]["steps"] if "reward/mean" in r
+                }
+                xs.append(statistics.mean(rows[s] for s in window if s in rows))
+            print(f"{arm} training reward, {name}: {per_seed.ci(xs)}")
+        for step in (0, 40, 80):
+            xs = [
+                c["eval/reward_mean"]
+                for seed in seeds
+                for c in runs[arm, seed]["curve"]
+                if c["step"] == step and "eval/reward_mean" in c
+            ]
+            print(f"{arm} eval reward at step {step}: {per_seed.ci(xs)}")
+
+
 def main(path: Path) -> None:
     per_seed.main(path)
     verdicts(path, carried_by_stage(path)["markovian"])
+    post_hoc(path)
 
 
 if __name__ == "__main__":
