@@ -16,7 +16,7 @@ from kvstreams.errors import KVStreamsError
 from kvstreams.experiments import available, load_spec
 from kvstreams.experiments.is_variance import sequence_log_weights, weight_figures
 from kvstreams.experiments.measures import visible_before_last_reply
-from kvstreams.experiments.report import summarise, time_to_target
+from kvstreams.experiments.report import summarise, time_to_target, write_report
 from kvstreams.experiments.spec import ExperimentSpec
 from kvstreams.stats import mean_interval
 from kvstreams.trace import Trace
@@ -182,6 +182,22 @@ def test_a_max_metric_is_reported_as_its_mean_and_as_its_largest_step():
     assert row["mismatch/abs_logprob_diff_max (max over steps and seeds)"] == 12.0
 
 
+def test_a_seed_whose_arms_started_from_different_weights_is_flagged_in_the_report(tmp_path):
+    """A warm start rebuilt on another machine can differ (float rounding): the arms of that seed are not
+    paired any more, and the report says so instead of pairing them silently."""
+    spec = ExperimentSpec.model_validate(_spec(reference_arm="a"))
+    results = [_run(arm, seed, 0.2, 0.5, 1.0) for arm in ("a", "b") for seed in (0, 1)]
+    for r in results:
+        r["warm_start"] = "f00d" if (r["arm"], r["seed"]) == ("b", 1) else f"seed{r['seed']}"
+    payload = write_report(spec, spec.arms, results, tmp_path, "kvstreams experiment t")
+    assert payload["unpaired_seeds"] == [1]
+    assert "seed 1" in (tmp_path / "results.md").read_text().split("## ")[0]
+    for r in results:  # the same weights for every arm of a seed (or runs from before it was recorded)
+        r["warm_start"] = None if r["seed"] == 1 else "seed0"
+    assert write_report(spec, spec.arms, results, tmp_path, "t")["unpaired_seeds"] == []
+    assert "not paired" not in (tmp_path / "results.md").read_text()
+
+
 # --- the runner, through the command line --------------------------------------------------------------
 
 
@@ -194,6 +210,11 @@ def test_smd_table_quick_runs_resumes_and_reports(tmp_path, monkeypatch, capsys)
     # what the table reports is measured: the shadow learner replays the sampler, the naive one does not
     assert runs["shadow"]["means"]["mismatch/k3_kl"] < 1e-8
     assert runs["naive"]["means"]["mismatch/k3_kl"] > 1e-3
+    # both arms of the seed started from the same weights, and the result says which
+    assert (
+        len(runs["shadow"]["warm_start"]) == 16
+        and runs["naive"]["warm_start"] == runs["shadow"]["warm_start"]
+    )
     assert 0.2 < runs["shadow"]["means"]["kv/saving"] < 0.6  # SnapKV dropping 50%
     assert [row["step"] for row in runs["naive"]["steps"]] == [0, 1, 2]  # every step's logged figures
     assert "loss/pg" in runs["naive"]["steps"][-1]

@@ -365,6 +365,28 @@ def check_markdown(checks: dict[str, Any] | None) -> list[str]:
     return [*lines, ""]
 
 
+def unpaired_seeds(results: list[dict[str, Any]]) -> list[int]:
+    """Seeds whose arms started from different weights (the ``warm_start`` fingerprint each run
+    records; runs from before it was recorded carry none and are not judged)."""
+    seen: dict[int, set[str]] = defaultdict(set)
+    for r in results:
+        if r.get("warm_start"):
+            seen[r["seed"]].add(r["warm_start"])
+    return sorted(seed for seed, prints in seen.items() if len(prints) > 1)
+
+
+def _unpaired_warning(seeds: list[int]) -> list[str]:
+    if not seeds:
+        return []
+    names = ", ".join(f"seed {s}" for s in seeds)
+    which = "that seed" if len(seeds) == 1 else "those seeds"
+    return [
+        f"**Not paired: {names}.** The arms of {which} started from different weights (a warm start "
+        f"rebuilt, e.g. on another machine): the paired differences of {which} compare different starts.",
+        "",
+    ]
+
+
 def write_report(
     spec: ExperimentSpec,
     arms: list[Arm],
@@ -374,11 +396,14 @@ def write_report(
     checks: dict[str, Any] | None = None,
 ) -> dict:
     summary = summarise(spec, arms, results)
+    unpaired = unpaired_seeds(results)
     payload = {"experiment": spec.name, "command": command, "summary": summary, "runs": results}
+    payload["unpaired_seeds"] = unpaired
     if checks is not None:
         payload["checks"] = checks
     write_json(out / "results.json", payload)
-    text = "\n".join([markdown(spec, arms, summary, command), *check_markdown(checks)])
+    head, sep, tables = markdown(spec, arms, summary, command).partition("\n## ")
+    text = "\n".join([head, *_unpaired_warning(unpaired), sep.lstrip("\n") + tables, *check_markdown(checks)])
     (out / "results.md").write_text(text)
     payload["plots"] = [str(p) for p in plot_curves(spec, arms, results, out)]
     return payload

@@ -9,6 +9,7 @@ seed (seed by seed), so an experiment stopped early still holds its earlier comp
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import sys
 import time
@@ -192,6 +193,21 @@ def _evaluate(spec, arm, seed, model, out, quick, evaluation) -> dict[str, float
     return result
 
 
+def fingerprint(model: str) -> str | None:
+    """The first 16 hex digits of the SHA-256 of a model directory's weights (its ``*.safetensors``,
+    in name order), recorded in each result: arms of one seed are paired only if they started from the
+    same weights, and a warm start rebuilt on another machine can differ (float rounding)."""
+    files = sorted(Path(model).glob("*.safetensors"))
+    if not files:
+        return None
+    digest = hashlib.sha256()
+    for path in files:
+        with path.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()[:16]
+
+
 def plan_runs(spec: ExperimentSpec, quick: bool, n_seeds: int) -> list[tuple[Arm, int]]:
     """The order of the runs: group by group in the spec's order, each group's arms over every seed
     (seed by seed), an arm in several groups with the first; an experiment stopped early has its
@@ -239,7 +255,7 @@ def run_experiment(
                     waiting = True
                     continue
                 _log(f"[{i + 1}/{len(plan)}] {spec.name}: {arm.label or arm.name}, seed {seed}")
-                result = run_one(spec, arm, seed, model, run_dir, quick)
+                result = {**run_one(spec, arm, seed, model, run_dir, quick), "warm_start": fingerprint(model)}
                 write_json(run_dir / "result.json", result)
             finally:
                 release(run_dir)
