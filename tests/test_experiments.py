@@ -195,7 +195,7 @@ def test_a_seed_whose_arms_started_from_different_weights_is_flagged_in_the_repo
     for r in results:  # the same weights for every arm of a seed (or runs from before it was recorded)
         r["warm_start"] = None if r["seed"] == 1 else "seed0"
     assert write_report(spec, spec.arms, results, tmp_path, "t")["unpaired_seeds"] == []
-    assert "not paired" not in (tmp_path / "results.md").read_text()
+    assert "Not paired" not in (tmp_path / "results.md").read_text()
 
 
 # --- the runner, through the command line --------------------------------------------------------------
