@@ -7,8 +7,10 @@ weights updated by ``on_step`` in the middle of a generation (these also hash th
 ``GenerationStats``). A refactor of the samplers must leave them bit-for-bit unchanged:
 ``tests/test_trace_hashes.py`` compares them with ``tests/data/trace_hashes.json``.
 
-Floating point makes the fingerprints specific to the torch version and CPU capability they were
-recorded on; elsewhere the test skips and says so. Re-record (after a change that is *meant* to alter
+Floating point makes the fingerprints specific to the torch version and the CPU (capability, vendor,
+family and model) they were recorded on: the file holds one record per environment, and where none
+matches the test skips and says so. The first record (2026-12) predates the CPU model's being noted
+(`cpu_model` "unrecorded"). Re-record (after a change that is *meant* to alter
 traces, said in the commit) with
 
     python tests/trace_hashes.py MODEL_DIR --write
@@ -36,8 +38,26 @@ _TENSORS = (
 )
 
 
+def _cpu_model() -> str:
+    """The CPU's vendor, family and model numbers (/proc/cpuinfo): two CPUs with the same capability
+    (AVX512) round differently (seen 2026-12-08: every fingerprint changed on another machine)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return "unknown"
+    info = dict(line.split(":", 1) for line in lines if ":" in line)
+    info = {k.strip(): v.strip() for k, v in info.items()}
+    return f"{info.get('vendor_id', '?')} family {info.get('cpu family', '?')} model {info.get('model', '?')}"
+
+
 def environment() -> dict[str, str]:
-    return {"torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability()}
+    return {"torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability(), "cpu_model": _cpu_model()}
+
+
+def golden_for(here: dict[str, str]) -> dict | None:
+    """The recorded fingerprints of this environment, if any were recorded on it."""
+    records = json.loads(GOLDEN.read_text())["records"]
+    return next((r for r in records if all(r.get(k) == v for k, v in here.items())), None)
 
 
 def fingerprint(traces, extra: str = "") -> str:
@@ -138,5 +158,8 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     found = fingerprints(*load_model(sys.argv[1]))
     print(json.dumps(found, indent=1))
-    if "--write" in sys.argv:
-        GOLDEN.write_text(json.dumps({**environment(), "hashes": found}, indent=1) + "\n")
+    if "--write" in sys.argv:  # this environment's record replaced, the others kept
+        here = environment()
+        records = json.loads(GOLDEN.read_text())["records"]
+        records = [r for r in records if any(r.get(k) != v for k, v in here.items())]
+        GOLDEN.write_text(json.dumps({"records": [*records, {**here, "hashes": found}]}, indent=1) + "\n")
