@@ -51,7 +51,11 @@ def _cpu_model() -> str:
 
 
 def environment() -> dict[str, str]:
-    return {"torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability(), "cpu_model": _cpu_model()}
+    return {
+        "torch": torch.__version__,
+        "cpu": torch.backends.cpu.get_cpu_capability(),
+        "cpu_model": _cpu_model(),
+    }
 
 
 def golden_for(here: dict[str, str]) -> dict | None:
