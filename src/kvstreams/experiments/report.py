@@ -8,6 +8,7 @@ per seed (paired) before the interval is computed.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -202,9 +203,11 @@ FIGURES = (
 )
 
 
-def markdown(spec: ExperimentSpec, arms: list[Arm], summary: dict[str, Any], command: str) -> str:
+def markdown(
+    spec: ExperimentSpec, arms: list[Arm], summary: dict[str, Any], command: str, unpaired: Sequence[int] = ()
+) -> str:
     lines = [f"# {spec.title}", "", f"Reproduces: {spec.source}", "", f"Question: {spec.question}", ""]
-    lines += [f"Command: `{command}`", "", FIGURES, ""]
+    lines += [f"Command: `{command}`", "", FIGURES, "", *_unpaired_warning(unpaired)]
     for group in spec.groups(arms):
         members = [a for a in arms if group in a.groups and a.name in summary]
         if not members:
@@ -375,7 +378,7 @@ def unpaired_seeds(results: list[dict[str, Any]]) -> list[int]:
     return sorted(seed for seed, prints in seen.items() if len(prints) > 1)
 
 
-def _unpaired_warning(seeds: list[int]) -> list[str]:
+def _unpaired_warning(seeds: Sequence[int]) -> list[str]:
     if not seeds:
         return []
     names = ", ".join(f"seed {s}" for s in seeds)
@@ -402,8 +405,7 @@ def write_report(
     if checks is not None:
         payload["checks"] = checks
     write_json(out / "results.json", payload)
-    head, sep, tables = markdown(spec, arms, summary, command).partition("\n## ")
-    text = "\n".join([head, *_unpaired_warning(unpaired), sep.lstrip("\n") + tables, *check_markdown(checks)])
+    text = "\n".join([markdown(spec, arms, summary, command, unpaired), *check_markdown(checks)])
     (out / "results.md").write_text(text)
     payload["plots"] = [str(p) for p in plot_curves(spec, arms, results, out)]
     return payload
