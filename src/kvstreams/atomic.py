@@ -42,12 +42,13 @@ def ensure_writable(directory: Path, what: str) -> None:
         raise KVStreamsError(f"{what} {str(directory)!r} is not writable: {err.strerror or err}") from None
 
 
-def sha256(path: Path) -> str:
-    """Hex sha256 of a file, read in 1 MiB blocks."""
+def sha256(*paths: Path) -> str:
+    """Hex sha256 of a file (or of several, one after the other), read in 1 MiB blocks."""
     digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
+    for path in paths:
+        with path.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
     return digest.hexdigest()
 
 

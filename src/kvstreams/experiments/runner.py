@@ -9,14 +9,13 @@ seed (seed by seed), so an experiment stopped early still holds its earlier comp
 from __future__ import annotations
 
 import gzip
-import hashlib
 import json
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from kvstreams.atomic import claim, release, write_json
+from kvstreams.atomic import claim, release, sha256, write_json
 from kvstreams.errors import KVStreamsError
 from kvstreams.experiments.spec import Arm, ExperimentSpec
 from kvstreams.train.checkpoint import latest_checkpoint
@@ -198,14 +197,7 @@ def fingerprint(model: str) -> str | None:
     in name order), recorded in each result: arms of one seed are paired only if they started from the
     same weights, and a warm start rebuilt on another machine can differ (float rounding)."""
     files = sorted(Path(model).glob("*.safetensors"))
-    if not files:
-        return None
-    digest = hashlib.sha256()
-    for path in files:
-        with path.open("rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-    return digest.hexdigest()[:16]
+    return sha256(*files)[:16] if files else None
 
 
 def plan_runs(spec: ExperimentSpec, quick: bool, n_seeds: int) -> list[tuple[Arm, int]]:
